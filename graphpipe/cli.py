@@ -1,0 +1,243 @@
+"""The ``graphpipe`` command line: one function per subcommand, registered in ``_SUBCOMMANDS``.
+
+``graphpipe schedule --ranks N --microbatches M [--schedule dualpipev|1f1b|zbv]
+[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE]`` prints a schedule and
+what the simulator finds about it. Bad input exits with code 2 and a one-line message.
+
+To add a subcommand ``NAME``: write ``_add_NAME_parser(sub)`` (creates the parser and sets
+``func=_cmd_NAME``) and ``_cmd_NAME(args) -> int``, and list it in ``_SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, NoReturn
+
+from graphpipe.ir import format_csv
+from graphpipe.lower import lower
+from graphpipe.render import write_picture
+from graphpipe.schedules import SCHEDULES, ScheduleKind
+from graphpipe.simulate import Costs, ScheduleError, SimResult, format_grid, simulate, validate
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``graphpipe schedule: error: ...``, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _costs(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# --------------------------------------------------------------------------------------------
+# graphpipe schedule
+
+
+def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "schedule",
+        help="print a pipeline schedule and its simulated bubble and memory",
+        description="Generate a schedule, check it, simulate it with batched rendezvous P2P, "
+        "and print it as a grid with statistics, as torch's compute-only CSV, or as JSON.",
+    )
+    p.add_argument("--ranks", type=_count, required=True, metavar="N", help="pipeline ranks")
+    p.add_argument(
+        "--microbatches", type=_count, required=True, metavar="M", help="micro-batches per step"
+    )
+    p.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default="dualpipev",
+        help="; ".join(f"{k.name}: {k.summary}" for k in SCHEDULES.values()),
+    )
+    p.add_argument("--format", choices=sorted(_FORMATS), default="grid", help="output format")
+    p.add_argument(
+        "--costs",
+        type=_costs,
+        default=Costs(),
+        metavar="F=1,B=2,...",
+        help="action costs for the simulation: F, B, I, W, FB (an overlapped F&B pair, "
+        "default F+B), p2p (per communication batch); unnamed ones keep their defaults "
+        f"({Costs()})",
+    )
+    p.add_argument("--out", metavar="PICTURE", help="also draw the timeline (.svg, or .png)")
+    p.set_defaults(func=_cmd_schedule, parser=p)
+    return p
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    kind: ScheduleKind = SCHEDULES[args.schedule]
+    costs: Costs = args.costs
+    try:
+        schedule, placement = kind(args.ranks, args.microbatches)
+    except ValueError as e:
+        args.parser.error(str(e))
+    try:
+        validate(schedule, placement, args.microbatches)
+        result = simulate(lower(schedule, placement, durations=costs.of), placement, costs)
+    except ScheduleError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.out:  # first, so that a picture that cannot be written leaves stdout empty
+        title = f"{kind.name}: {args.ranks} ranks, {args.microbatches} micro-batches ({costs})"
+        try:
+            path = write_picture(args.out, result, title=title, num_ranks=args.ranks)
+        except (RuntimeError, ValueError, OSError) as e:
+            args.parser.error(str(e))
+        print(f"wrote {path}", file=sys.stderr)
+    _FORMATS[args.format](schedule, _statistics(kind, args.ranks, args.microbatches, costs, result))
+    return 0
+
+
+def _dualpipe_reference(n: int, costs: Costs) -> dict[str, Any]:
+    """DualPipe's README figures for DualPipeV with PP = 2N stages on N devices."""
+    pp = 2 * n
+    return {
+        "source": "DualPipe README, PP = 2N stages",
+        "bubble_formula": "(PP/2-1)(F&B+B-3W)",
+        "bubble": (pp / 2 - 1) * (costs.overlap + costs.B - 3 * costs.W),
+        "activations_formula": "PP+1",
+        "activations": pp + 1,
+    }
+
+
+def _one_f_one_b_reference(n: int, costs: Costs) -> dict[str, Any]:
+    """The textbook 1F1B figures with PP = N stages on N devices."""
+    return {
+        "source": "1F1B, PP = N stages",
+        "bubble_formula": "(PP-1)(F+B)",
+        "bubble": (n - 1) * (costs.F + costs.B),
+        "activations_formula": "PP",
+        "activations": n,
+    }
+
+
+_REFERENCES: dict[str, Callable[[int, Costs], dict[str, Any]]] = {
+    "dualpipev": _dualpipe_reference,
+    "1f1b": _one_f_one_b_reference,
+}
+
+
+def _statistics(
+    kind: ScheduleKind, n: int, m: int, costs: Costs, result: SimResult
+) -> dict[str, Any]:
+    stats: dict[str, Any] = {
+        "schedule": kind.name,
+        "ranks": n,
+        "stages": kind.num_stages(n),
+        "microbatches": m,
+        "costs": asdict(costs),
+        **result.as_dict(),
+    }
+    if kind.name in _REFERENCES:
+        ref = _REFERENCES[kind.name](n, costs)
+        ref["simulated_max_idle"] = max(r.idle for r in result.ranks)
+        ref["simulated_max_peak_activations"] = max(r.peak_activations for r in result.ranks)
+        stats["reference"] = ref
+    return stats
+
+
+def _print_grid(schedule: dict, stats: dict[str, Any]) -> None:
+    print(
+        f"{stats['schedule']}: {stats['ranks']} ranks, {stats['stages']} stages, "
+        f"{stats['microbatches']} micro-batches; costs {Costs(**stats['costs'])}"
+    )
+    print(format_grid({r: [str(a) for a in actions] for r, actions in schedule.items()}))
+    print(f"makespan {stats['makespan']:g}, mean bubble {stats['bubble_fraction']:.1%}")
+    header = ("rank", "busy", "idle", "bubble", "peak activations", "peak pending W")
+    print("  ".join(header))
+    for r in stats["per_rank"]:
+        cells = (
+            f"{r['rank']:>4}",
+            f"{r['busy']:>4g}",
+            f"{r['idle']:>4g}",
+            f"{r['bubble_fraction']:>6.1%}",
+            f"{r['peak_activations']:>16}",
+            f"{r['peak_pending_w']:>14}",
+        )
+        print("  ".join(cells))
+    if stats["rank_edge_fifo_consistent"]:
+        print("message order per rank pair: consistent (one communicator per rank pair suffices)")
+    else:
+        print("message order per rank pair: INCONSISTENT (use one communicator per channel):")
+        for line in stats["rank_edge_mismatches"]:
+            print(f"  {line}")
+    if ref := stats.get("reference"):
+        print(f"reference figures ({ref['source']}):    formula   simulated")
+        print(
+            f"  bubble per rank {ref['bubble_formula']:<22} {ref['bubble']:>7g}   "
+            f"max idle {ref['simulated_max_idle']:g}"
+        )
+        print(
+            f"  activations per device {ref['activations_formula']:<15} {ref['activations']:>7}   "
+            f"max peak {ref['simulated_max_peak_activations']}"
+        )
+
+
+def _print_csv(schedule: dict, stats: dict[str, Any]) -> None:
+    sys.stdout.write(format_csv(schedule))
+
+
+def _print_json(schedule: dict, stats: dict[str, Any]) -> None:
+    print(json.dumps(stats, indent=2))
+
+
+_FORMATS: dict[str, Callable[[dict, dict[str, Any]], None]] = {
+    "grid": _print_grid,
+    "csv": _print_csv,
+    "json": _print_json,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Registry and entry point
+
+_SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
+    "schedule": _add_schedule_parser,
+    "train": lambda sub: _lazy("train").add_parser(sub),
+}
+
+
+def _lazy(name: str) -> Any:
+    """Subcommands that live in their own module (``graphpipe.train``, ``graphpipe.bench``)."""
+    import importlib
+
+    return importlib.import_module(f"graphpipe.{name}")
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="graphpipe", description="DualPipeV pipeline-parallel training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``graphpipe COMMAND ...``; returns the exit code (argparse errors exit with 2)."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"choose a command: {', '.join(_SUBCOMMANDS)}")
+    return args.func(args)

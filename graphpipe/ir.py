@@ -1,0 +1,170 @@
+"""The schedule as data: ``Op``, ``Action`` and per-rank programs.
+
+String forms follow ``torch.distributed.pipelining`` (``{stage}{op}{microbatch}``):
+``0F3``, ``7I2``, ``5W1``, ``1SEND_F3`` and ``(0F5;7B2)OVERLAP_F_B`` for an overlap pair.
+A compute-only schedule is ``{rank: [Action, ...]}``; CSV files hold one row per rank in
+torch's compute-only format, so a file written by torch's ``_dump_csv`` loads here and ours
+loads there.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "Action",
+    "Op",
+    "Schedule",
+    "dump_csv",
+    "format_csv",
+    "load_csv",
+    "parse_csv",
+]
+
+
+class Op(str, enum.Enum):
+    """What an ``Action`` does. The value is the token used in the string form."""
+
+    F = "F"  # forward of one micro-batch through one stage
+    B = "B"  # full backward: input and weight gradients
+    I = "I"  # noqa: E741 - torch's name: backward for input gradients only
+    W = "W"  # the deferred weight-gradient work of one earlier I
+    OVERLAP_F_B = "OVERLAP_F_B"  # a forward and a backward issued as one unit
+    SEND_F = "SEND_F"  # stage sends its forward output to the next stage
+    RECV_F = "RECV_F"  # stage receives its forward input from the previous stage
+    SEND_B = "SEND_B"  # stage sends its input gradient to the previous stage
+    RECV_B = "RECV_B"  # stage receives its output gradient from the next stage
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.OVERLAP_F_B})
+COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+BACKWARD_OPS = frozenset({Op.B, Op.I})
+
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_OVERLAP_RE = re.compile(r"^\((.*)\)(OVERLAP_F_B)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One cell of the schedule grid.
+
+    stage: the global stage index (0 .. 2N-1); -1 for an overlap pair.
+    op: what runs.
+    microbatch: the micro-batch index; None for an overlap pair.
+    sub: for ``OVERLAP_F_B``, the (forward, backward) pair; None otherwise.
+    """
+
+    stage: int
+    op: Op
+    microbatch: int | None = None
+    sub: tuple[Action, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.op is Op.OVERLAP_F_B:
+            if (
+                self.sub is None
+                or len(self.sub) != 2
+                or self.sub[0].op is not Op.F
+                or self.sub[1].op not in BACKWARD_OPS
+            ):
+                raise ValueError(
+                    f"an OVERLAP_F_B action needs sub=(F action, B or I action), got {self.sub!r}"
+                )
+        elif self.sub is not None:
+            raise ValueError(f"only OVERLAP_F_B takes sub-actions, got op {self.op.value}")
+        elif self.microbatch is None or self.microbatch < 0 or self.stage < 0:
+            raise ValueError(
+                f"{self.op.value} needs a stage >= 0 and a micro-batch >= 0, "
+                f"got stage={self.stage} microbatch={self.microbatch}"
+            )
+
+    @staticmethod
+    def overlap(forward: Action, backward: Action) -> Action:
+        """The overlap pair ``(forward;backward)OVERLAP_F_B``."""
+        return Action(-1, Op.OVERLAP_F_B, None, (forward, backward))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+    @property
+    def is_comm(self) -> bool:
+        return self.op in COMM_OPS
+
+    def parts(self) -> tuple[Action, ...]:
+        """The plain actions this cell runs: the pair for an overlap, else itself."""
+        return self.sub if self.sub is not None else (self,)
+
+    def __str__(self) -> str:
+        if self.sub is not None:
+            return f"({';'.join(str(a) for a in self.sub)}){self.op.value}"
+        return f"{self.stage}{self.op.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """Parse the string form; the inverse of ``str(action)``."""
+        s = text.strip()
+        if m := _OVERLAP_RE.match(s):
+            parts = m.group(1).split(";")
+            if len(parts) != 2:
+                raise ValueError(f"an overlap pair holds two actions, got {text!r}")
+            return Action.overlap(Action.parse(parts[0]), Action.parse(parts[1]))
+        if m := _ACTION_RE.match(s):
+            return Action(int(m.group(1)), Op(m.group(2)), int(m.group(3)))
+        raise ValueError(
+            f"cannot parse action {text!r}: expected e.g. '0F3', '7I2', '1SEND_F3' "
+            "or '(0F5;7B2)OVERLAP_F_B'"
+        )
+
+
+Schedule = dict[int, list[Action]]
+"""Per-rank programs: ``{rank: [Action, ...]}`` with ranks 0 .. N-1."""
+
+
+def format_csv(schedule: Mapping[int, Sequence[Action | None]]) -> str:
+    """Torch's compute-only CSV: one row per rank, in rank order, empty cell for idle."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\r\n")  # csv.writer's default, as torch writes
+    for rank in sorted(schedule):
+        writer.writerow(["" if a is None else str(a) for a in schedule[rank]])
+    return buf.getvalue()
+
+
+def parse_csv(text: str | Iterable[str]) -> Schedule:
+    """Parse torch's compute-only CSV (row i = rank i). Empty cells (idle steps) are dropped."""
+    lines = text.splitlines() if isinstance(text, str) else text
+    out: Schedule = {}
+    for rank, row in enumerate(csv.reader(lines)):
+        actions = []
+        for col, cell in enumerate(row):
+            if not cell.strip():
+                continue
+            try:
+                actions.append(Action.parse(cell))
+            except ValueError as e:
+                raise ValueError(f"CSV row {rank} (rank {rank}), column {col}: {e}") from None
+        out[rank] = actions
+    return out
+
+
+def dump_csv(schedule: Mapping[int, Sequence[Action | None]], path: str | Path) -> None:
+    """Write ``schedule`` to ``path`` in torch's compute-only CSV format."""
+    Path(path).write_text(format_csv(schedule), newline="")
+
+
+def load_csv(path: str | Path) -> Schedule:
+    """Read a compute-only CSV written by torch's ``_dump_csv`` or by ``dump_csv``."""
+    with open(path, newline="") as f:
+        return parse_csv(f.read())

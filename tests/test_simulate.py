@@ -1,0 +1,230 @@
+"""Simulator and validator: error reports, costs, timing, and DualPipe's reference figures."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from graphpipe.ir import Action, Op
+from graphpipe.lower import Step, lower
+from graphpipe.schedules import SCHEDULES, Placement
+from graphpipe.simulate import Costs, ScheduleError, format_grid, simulate, validate
+
+
+def _run(name: str, n: int, m: int, costs: Costs | None = None):
+    costs = costs or Costs()
+    schedule, placement = SCHEDULES[name](n, m)
+    return simulate(lower(schedule, placement, durations=costs.of), placement, costs)
+
+
+# --------------------------------------------------------------------------------------------
+# Error reports
+
+
+def test_planted_deadlock_reports_the_grid_with_the_blocked_cells_marked() -> None:
+    schedule, placement = SCHEDULES["dualpipev"](2, 4)
+    # Rank 0 runs 3F0 first: it waits for rank 1's stage 2, which waits for rank 0's 0F0.
+    schedule[0].insert(0, schedule[0].pop(3))
+    validate(schedule, placement, 4)  # locally valid: the cycle spans two ranks
+    with pytest.raises(ScheduleError) as info:
+        simulate(lower(schedule, placement), placement)
+    message = str(info.value)
+    lines = message.splitlines()
+    assert lines[0] == "deadlock: no rank can progress"
+    assert lines[1].split() == ["Rank", "0", "Rank", "1"]
+    assert lines[2].startswith("Step 00: *3F0*")
+    assert "*1F0*" in lines[2]
+    assert lines[2].endswith("<-- blocked: rank 0, rank 1")
+    assert "Step 01: 0F0" in message  # the rest of the grid is there, unmarked
+    assert "rank 0 step 0: 3RECV_F0 waits for rank 1 to post 2SEND_F0" in message
+    assert "rank 1 step 0: 1RECV_F0 waits for rank 0 to post 0SEND_F0" in message
+
+
+def test_out_of_order_channel_is_a_broken_dependency() -> None:
+    schedule, placement = SCHEDULES["1f1b"](2, 3)
+    schedule[0][0], schedule[0][1] = schedule[0][1], schedule[0][0]  # 0F1 before 0F0
+    with pytest.raises(ScheduleError) as info:
+        simulate(lower(schedule, placement), placement)
+    message = str(info.value)
+    assert message.startswith("broken dependency")
+    assert "*1F0*" in message and "<-- broken: rank 1" in message
+    assert "rank 1 step 0: channel (0, 1): 1RECV_F" in message
+
+
+def test_receive_without_a_send_is_a_broken_dependency() -> None:
+    placement = Placement.from_style(2, "loop")
+    lowered = {
+        0: [Step((), Action(0, Op.F, 0))],
+        1: [Step((Action(1, Op.RECV_F, 0),), Action(1, Op.F, 0))],
+    }
+    with pytest.raises(ScheduleError, match="1RECV_F0 has no matching send: rank 0 posts no"):
+        simulate(lowered, placement)
+
+
+def test_compute_before_its_input_arrives_is_a_broken_dependency() -> None:
+    placement = Placement.from_style(2, "loop")
+    lowered = {0: [Step((), Action(0, Op.F, 0))], 1: [Step((), Action(1, Op.F, 0))]}
+    with pytest.raises(ScheduleError, match="1F0 runs before 1RECV_F0 brings its input"):
+        simulate(lowered, placement)
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda s: s[0].remove(Action(7, Op.W, 0)), "7I0 has no later W"),
+        (lambda s: s[0].insert(0, Action(7, Op.W, 9)), "7W9 has no earlier I without a W"),
+        (lambda s: s[1].append(Action(0, Op.F, 0)), "0F0: stage 0 does not run on rank 1"),
+        (lambda s: s[0].remove(Action(0, Op.F, 2)), "stage 0 runs forwards of micro-batches"),
+        (lambda s: s[0].insert(0, s[0].pop(s[0].index(Action(7, Op.I, 0)))), "before F"),
+        (
+            lambda s: s[3].insert(0, s[3].pop(s[3].index(Action(4, Op.F, 0)))),
+            "4F0 runs before its input from stage 3 on this rank",
+        ),
+    ],
+)
+def test_validate_reports_each_broken_rule_with_the_grid(edit, reason: str) -> None:
+    schedule, placement = SCHEDULES["dualpipev"](4, 8)
+    validate(schedule, placement, 8)
+    edit(schedule)
+    with pytest.raises(ScheduleError) as info:
+        validate(schedule, placement, 8)
+    message = str(info.value)
+    assert message.startswith("invalid schedule:")
+    assert "Rank 0" in message and "Rank 3" in message and "<-- invalid" in message
+    assert reason in message
+
+
+def test_format_grid_pads_columns_and_marks_cells() -> None:
+    grid = format_grid({0: ["0F0", "0B0"], 1: ["1F0"]}, {1: 0}, ["why"])
+    assert grid.splitlines() == [
+        "        Rank 0 Rank 1",
+        "Step 0: 0F0    *1F0*  <-- blocked: rank 1",
+        "Step 1: 0B0",
+        "why",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Costs
+
+
+def test_costs_parse_names_numbers_and_keeps_defaults() -> None:
+    assert Costs.parse("F=1,B=2,W=1,p2p=0.1") == Costs(F=1, B=2, W=1, p2p=0.1)
+    assert Costs.parse("F&B=2.5, I=0.5") == Costs(FB=2.5, I=0.5)
+    assert Costs.parse("") == Costs()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("X=1", "bad cost 'X=1'"), ("F=abc", "not a number"), ("F", "NAME=NUMBER"), ("W=-1", ">= 0")],
+)
+def test_costs_parse_rejects_bad_input(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Costs.parse(text)
+
+
+def test_cost_of_an_overlap_pair_is_fb_or_f_plus_b() -> None:
+    pair = Action.overlap(Action(0, Op.F, 1), Action(7, Op.B, 0))
+    assert Costs(F=1, B=2).of(pair) == 3
+    assert Costs(F=1, B=2, FB=2.4).of(pair) == 2.4
+    assert Costs(I=0.7).of(Action(0, Op.I, 0)) == 0.7
+    assert Costs().of(None) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Timing and statistics
+
+
+@pytest.mark.parametrize(("n", "m"), [(1, 1), (2, 4), (4, 8), (5, 3), (6, 13)])
+def test_one_f_one_b_makespan_is_the_textbook_m_plus_n_minus_1_times_f_plus_b(n, m) -> None:
+    costs = Costs(F=1.5, B=2.5)
+    result = _run("1f1b", n, m, costs)
+    assert result.makespan == pytest.approx((m + n - 1) * (costs.F + costs.B))
+    assert max(r.peak_activations for r in result.ranks) == min(n, m)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_timeline_is_sequential_per_rank_with_the_costed_durations(name: str) -> None:
+    costs = Costs(F=1, B=2.5, I=1.25, W=0.75, FB=3)
+    result = _run(name, 3, 7, costs)
+    for rank in range(3):
+        records = [r for r in result.timeline if r.rank == rank]
+        assert all(a.end <= b.start for a, b in itertools.pairwise(records))
+        assert all(r.end - r.start == pytest.approx(costs.of(r.action)) for r in records)
+        busy = sum(r.end - r.start for r in records)
+        assert result.ranks[rank].busy == pytest.approx(busy)
+        assert result.ranks[rank].idle == pytest.approx(result.makespan - busy)
+
+
+def test_p2p_latency_lengthens_the_run() -> None:
+    assert _run("dualpipev", 3, 8, Costs(p2p=0.2)).makespan > _run("dualpipev", 3, 8).makespan
+
+
+@pytest.mark.parametrize("n", range(2, 7))
+def test_dualpipev_bubble_is_smaller_than_1f1bs(n: int) -> None:
+    for costs in (Costs(), Costs(FB=2.5), Costs(F=1, B=1, I=0.5, W=0.5)):
+        m = 4 * n
+        assert (
+            _run("dualpipev", n, m, costs).bubble_fraction
+            < _run("1f1b", n, m, costs).bubble_fraction
+        )
+
+
+@pytest.mark.parametrize("n", range(1, 7))
+@pytest.mark.parametrize(("w", "fb"), [(1, 3), (1, 2.5), (1, 2), (0.5, 2.5), (0.5, 1.5), (0.25, 2)])
+def test_dualpipev_idle_equals_dualpipes_formula_where_it_applies(n: int, w: float, fb: float):
+    # Where I = F, W <= F and F+W <= F&B <= F+B, the slowest rank idles exactly
+    # (PP/2-1)(F&B+B-3W) with PP = 2N.
+    costs = Costs(F=1, I=1, W=w, B=1 + w, FB=fb)
+    formula = (n - 1) * (costs.overlap + costs.B - 3 * costs.W)
+    for m in (2 * n, 3 * n + 1):
+        result = _run("dualpipev", n, m, costs)
+        assert max(r.idle for r in result.ranks) == pytest.approx(formula)
+
+
+@pytest.mark.parametrize(
+    "costs", [Costs(F=1, B=3, I=1, W=2), Costs(F=1, B=3, I=2, W=1), Costs(FB=2.2, p2p=0.1)]
+)
+def test_dualpipev_idle_grows_with_ranks_like_the_formula(costs: Costs) -> None:
+    # Outside the formula's region the figures differ (W > F, I != F, p2p), the trend does not.
+    idle = [max(r.idle for r in _run("dualpipev", n, 4 * n, costs).ranks) for n in range(1, 8)]
+    assert idle[0] == 0
+    assert all(a < b for a, b in itertools.pairwise(idle))
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_dualpipev_peak_activations_are_pp_plus_1(n: int) -> None:
+    result = _run("dualpipev", n, 2 * n + 3)
+    assert [r.peak_activations for r in result.ranks] == [2 * n + 1] * n  # PP+1, PP = 2N
+    assert [r.peak_pending_w for r in result.ranks] == [r + 1 for r in range(n)]
+
+
+def test_zbv_with_equal_f_i_w_has_a_smaller_bubble_than_1f1b() -> None:
+    for n in (2, 4, 6):
+        assert _run("zbv", n, 4 * n).bubble_fraction < _run("1f1b", n, 4 * n).bubble_fraction
+
+
+def test_rank_edge_order_mismatch_is_reported() -> None:
+    schedule, placement = SCHEDULES["dualpipev"](3, 8)
+    lowered = lower(schedule, placement)
+    # Swap two receives from the same peer inside one batch: channels stay in order, but
+    # one communicator per rank pair would now match them crosswise.
+    for rank, steps in lowered.items():
+        for k, step in enumerate(steps):
+            recvs = [i for i, c in enumerate(step.comms) if c.op in (Op.RECV_F, Op.RECV_B)]
+            peers = {
+                placement.rank_of(
+                    step.comms[i].stage + (1 if step.comms[i].op is Op.RECV_B else -1)
+                )
+                for i in recvs
+            }
+            if len(recvs) == 2 and len(peers) == 1:
+                comms = list(step.comms)
+                comms[recvs[0]], comms[recvs[1]] = comms[recvs[1]], comms[recvs[0]]
+                lowered[rank][k] = Step(tuple(comms), step.compute)
+                result = simulate(lowered, placement)
+                assert not result.rank_edge_fifo_consistent
+                assert f"-> rank {rank}: message" in result.rank_edge_mismatches[0]
+                return
+    pytest.fail("no batch with two receives from one peer")
