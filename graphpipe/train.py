@@ -1,0 +1,174 @@
+"""``graphpipe train``: train the built-in byte-level Llama with DualPipeV.
+
+Rank 0 shows a progress bar (loss, tokens/s, step time) and writes ``--metrics`` as JSON
+lines: ``{"step", "loss", "step_time_s", "tokens_per_s"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["add_parser", "run"]
+
+
+class Progress:
+    """A one-line progress bar on a terminal; plain lines every ``every`` steps elsewhere."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr, every: int = 10) -> None:
+        self.total, self.stream, self.every = total, stream, every
+        self.tty = stream.isatty()
+
+    def update(self, step: int, text: str) -> None:
+        width = 24
+        done = int(width * step / self.total)
+        bar = "#" * done + "." * (width - done)
+        line = f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {text}"
+        if self.tty:
+            self.stream.write("\r" + line)
+            if step == self.total:
+                self.stream.write("\n")
+        elif step == 1 or step % self.every == 0 or step == self.total:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train",
+        help="train the built-in byte-level Llama with DualPipeV",
+        description=(
+            "Train graphpipe's built-in Llama-style byte-level model with the DualPipeV "
+            "schedule. Without torchrun it spawns --ranks local processes (gloo on CPU, NCCL "
+            "with --device cuda, one GPU per rank); under torchrun it joins torchrun's world. "
+            "Data: the Python standard library's own source files, or --data FILE."
+        ),
+    )
+    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks to spawn (default 2)")
+    p.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per step (default 2*2N)"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+    p.add_argument("--data", default=None, help="a text file to train on (default: stdlib)")
+    p.add_argument("--metrics", default=None, help="write per-step metrics here (JSON lines)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16 runs the stages under torch.autocast",
+    )
+    p.add_argument(
+        "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The first problem with the arguments, as a one-line message (None when fine)."""
+    for name in ("ranks", "batch_size", "seq_len", "hidden", "layers", "heads", "steps"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    m = args.microbatches if args.microbatches is not None else 4 * args.ranks
+    if m < 2 * args.ranks:
+        return f"--microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
+    if args.batch_size % m:
+        return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches"
+    if args.hidden % args.heads:
+        return f"--hidden {args.hidden} is not a multiple of --heads {args.heads}"
+    if args.data is not None and not os.path.isfile(args.data):
+        return f"--data {args.data}: no such file"
+    args.microbatches = m
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from .launch import joined_torchrun, launch
+
+    if not joined_torchrun():
+        problem = _check(args)
+        if problem is not None:
+            print(f"graphpipe train: error: {problem}", file=sys.stderr)
+            return 2
+    launch(_train_rank, args.ranks, args.device, vars(args).copy())
+    return 0
+
+
+def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    from . import DualPipeV
+    from .data import ByteBatches, load_text_bytes
+    from .models import LlamaConfig, LlamaLoss, build_stages, num_parameters, unique_parameters
+
+    opts = dict(opts)
+    if opts.get("microbatches") is None:
+        opts["microbatches"] = 4 * world
+    cfg = LlamaConfig(
+        hidden=opts["hidden"],
+        n_layers=opts["layers"],
+        n_heads=opts["heads"],
+        max_seq_len=opts["seq_len"],
+        use_kernels=not opts["no_kernels"],
+    )
+    stages = build_stages(cfg, 2 * world, seed=opts["seed"], device=device)
+    mine = (stages[rank], stages[2 * world - 1 - rank])
+    loss_fn = LlamaLoss(cfg.use_kernels)
+    pipe = DualPipeV(mine, num_microbatches=opts["microbatches"], loss_fn=loss_fn)
+    params = unique_parameters(mine)
+    opt = torch.optim.AdamW(params, lr=opts["lr"])
+    batches = None
+    if rank == 0:
+        data = load_text_bytes(opts["data"])
+        batches = iter(ByteBatches(data, opts["batch_size"], opts["seq_len"], seed=opts["seed"]))
+        print(
+            f"graphpipe train: {world} ranks x 2 stages, {opts['microbatches']} micro-batches, "
+            f"{num_parameters(stages):,} parameters, {len(data):,} bytes of "
+            f"{opts['data'] or 'Python stdlib source'}, device {device.type}",
+            file=sys.stderr,
+            flush=True,
+        )
+    autocast = opts["dtype"] == "bfloat16"
+    tokens = opts["batch_size"] * opts["seq_len"]
+    progress = Progress(opts["steps"]) if rank == 0 else None
+    out = open(opts["metrics"], "w") if rank == 0 and opts["metrics"] else None
+    first = last = None
+    try:
+        for step in range(1, opts["steps"] + 1):
+            x, y = next(batches) if batches is not None else (None, None)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = pipe.step(x, y)
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            value = float(loss)
+            first = value if first is None else first
+            last = value
+            if progress is not None:
+                progress.update(
+                    step, f"loss {value:.3f} | {tokens / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/step"
+                )
+            if out is not None:
+                rec = {"step": step, "loss": value, "step_time_s": dt, "tokens_per_s": tokens / dt}
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+    finally:
+        if out is not None:
+            out.close()
+    if rank == 0:
+        print(f"graphpipe train: loss {first:.3f} -> {last:.3f}", file=sys.stderr, flush=True)

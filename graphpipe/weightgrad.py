@@ -1,0 +1,162 @@
+"""The input/weight split of backward: deferrable weight-gradient GEMMs.
+
+Every plain ``nn.Linear`` inside a stage is switched (by class, in place: parameters,
+state dict and ``isinstance`` are unchanged) to ``DeferrableLinear``. Its backward computes
+the input gradient at once; the weight gradient ``grad_out^T @ x`` (and the bias sum) is
+either computed at once (``B``: full backward) or, while its stage's ``WeightGradStore`` is
+deferring on behalf of an ``I`` action, stashed under the key of the ``W`` action that will run
+it. ``W`` then runs exactly those GEMMs and accumulates into ``.grad``.
+
+Other parameters (norm weights, embeddings, custom layers) get their gradients during ``I``
+like in a full backward: they are not deferred. They are small next to the Linear weights,
+whose GEMMs are the work that zero-bubble schedules move into bubbles.
+
+State is explicit: one store per stage, held by the executor; no class-level queues. The
+store is plain object state, not thread-local, because CUDA autograd runs backward on a
+worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable"]
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work of one stage, keyed by the ``W`` action that runs it."""
+
+    __slots__ = ("_key", "_pending")
+
+    def __init__(self) -> None:
+        self._pending: dict[Hashable, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = {}
+        self._key: Hashable | None = None
+
+    @contextmanager
+    def deferring(self, key: Hashable) -> Iterator[None]:
+        """Within this block, Linear weight gradients are stashed under ``key``."""
+        if key in self._pending:
+            raise RuntimeError(f"weight-gradient work for {key!r} is already pending")
+        self._pending[key] = []
+        self._key = key
+        try:
+            yield
+        finally:
+            self._key = None
+
+    def _stash(self, module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+        if self._key is None:
+            return False
+        self._pending[self._key].append((module, x, grad_out))
+        return True
+
+    def run(self, key: Hashable) -> int:
+        """Run (and drop) the weight-gradient GEMMs stashed under ``key``; returns their count."""
+        try:
+            work = self._pending.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"no deferred weight-gradient work for {key!r}; pending: {list(self._pending)}"
+            ) from None
+        for module, x, g in work:
+            _accumulate_weight_grad(module, x, g)
+        return len(work)
+
+    def pending(self) -> list[Hashable]:
+        """Keys whose work has not run yet."""
+        return list(self._pending)
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self._key = None
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _weight_grads(
+    x: torch.Tensor, g: torch.Tensor, with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g2 = g.reshape(-1, g.shape[-1])
+    gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+    gb = g2.sum(0) if with_bias else None
+    return gw, gb
+
+
+def _accumulate_weight_grad(module: nn.Linear, x: torch.Tensor, g: torch.Tensor) -> None:
+    gw, gb = _weight_grads(x, g, module.bias is not None and module.bias.requires_grad)
+    if module.weight.requires_grad:
+        _accumulate(module.weight, gw)
+    if gb is not None:
+        _accumulate(module.bias, gb)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, store):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        ctx.store = store
+        ctx.with_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        if not need_w or ctx.store._stash(ctx.module, x, g):
+            return gx, None, None, None, None
+        gw, gb = _weight_grads(x, g, ctx.needs_input_grad[2])
+        return gx, gw if ctx.needs_input_grad[1] else None, gb, None, None
+
+
+class DeferrableLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight-gradient GEMM can be deferred to a ``W`` action.
+
+    Created only by ``make_deferrable`` (class switch of an existing ``nn.Linear``). Without
+    a store it behaves exactly like ``nn.Linear``.
+    """
+
+    _wgrad_store: WeightGradStore | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        store = self.__dict__.get("_wgrad_store")
+        if store is None or not torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            # Cast as autocast would, and save the cast copies: backward runs outside autocast.
+            dt = torch.get_autocast_dtype(dev)
+            x, weight = x.to(dt), weight.to(dt)
+            bias = bias.to(dt) if bias is not None else None
+            with torch.autocast(dev, enabled=False):
+                return _LinearFn.apply(x, weight, bias, self, store)
+        return _LinearFn.apply(x, weight, bias, self, store)
+
+
+def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
+    """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``.
+
+    Subclasses of ``nn.Linear`` are left alone (their forward may differ). Returns the number
+    of Linear layers now deferrable.
+    """
+    count = 0
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = DeferrableLinear
+        if type(m) is DeferrableLinear:
+            m.__dict__["_wgrad_store"] = store
+            count += 1
+    return count

@@ -1,0 +1,90 @@
+"""``graphpipe train`` end to end: spawned gloo ranks, the metrics file, argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "graphpipe", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_train_writes_one_metrics_line_per_step_and_the_loss_falls(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = _train(
+        "--steps",
+        "12",
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--metrics",
+        str(metrics),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    for r in lines:
+        assert set(r) == {"step", "loss", "step_time_s", "tokens_per_s"}
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+    assert lines[-1]["loss"] < lines[0]["loss"] - 0.5
+    assert "step 12/12" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_train_reads_a_data_file_and_runs_on_one_rank(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    metrics = tmp_path / "m.jsonl"
+    proc = _train(
+        "--ranks",
+        "1",
+        "--steps",
+        "3",
+        "--hidden",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--data",
+        str(data),
+        "--metrics",
+        str(metrics),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(metrics.read_text().splitlines()) == 3
+    assert str(data) in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--microbatches", "3"], "--microbatches must be >= 2 * --ranks = 4, got 3"),
+        (["--batch-size", "10"], "--batch-size 10 does not split into 8 equal micro-batches"),
+        (["--data", "/no/such/file"], "--data /no/such/file: no such file"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_bad_train_arguments_exit_2_with_one_line(args, message):
+    proc = _train(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"graphpipe train: error: {message}"

@@ -1,0 +1,100 @@
+"""The input/weight split: deferrable Linear layers and their store (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from graphpipe.weightgrad import DeferrableLinear, WeightGradStore, make_deferrable
+
+
+def _pair(bias: bool = True):
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 3, bias=bias).double()
+    lin = nn.Linear(5, 3, bias=bias).double()
+    lin.load_state_dict(ref.state_dict())
+    return ref, lin
+
+
+def test_make_deferrable_switches_only_plain_linear_layers():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(
+        nn.Linear(2, 2), nn.ReLU(), MyLinear(2, 2), nn.Sequential(nn.Linear(2, 1))
+    )
+    store = WeightGradStore()
+    assert make_deferrable(model, store) == 2
+    assert type(model[0]) is DeferrableLinear and isinstance(model[0], nn.Linear)
+    assert type(model[2]) is MyLinear
+    assert type(model[3][0]) is DeferrableLinear
+    assert set(model.state_dict()) == {
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "3.0.weight",
+        "3.0.bias",
+    }
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_deferred_weight_grad_runs_only_in_W_and_matches_full_backward(bias):
+    ref, lin = _pair(bias)
+    store = WeightGradStore()
+    make_deferrable(lin, store)
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    xr, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(2, 4, 3, dtype=torch.float64)
+    ref(xr).backward(g)
+    with store.deferring(("stage", 7)):
+        lin(xd).backward(g)
+    # I: input gradient now, no weight gradient yet
+    torch.testing.assert_close(xd.grad, xr.grad)
+    assert lin.weight.grad is None
+    assert store.pending() == [("stage", 7)]
+    assert store.run(("stage", 7)) == 1
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-14, atol=0)
+    if bias:
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-14, atol=0)
+    assert store.pending() == []
+
+
+def test_without_deferral_the_linear_is_a_plain_linear():
+    ref, lin = _pair()
+    make_deferrable(lin, WeightGradStore())
+    x = torch.randn(3, 5, dtype=torch.float64)
+    ref(x).sum().backward()
+    lin(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+
+
+def test_store_errors_name_the_key():
+    store = WeightGradStore()
+    with pytest.raises(RuntimeError, match=r"no deferred weight-gradient work for \(1, 2\)"):
+        store.run((1, 2))
+    with store.deferring((1, 2)):
+        pass
+    with pytest.raises(RuntimeError, match=r"\(1, 2\) is already pending"):
+        with store.deferring((1, 2)):
+            pass
+
+
+def test_deferred_linear_under_bf16_autocast_accumulates_fp32_grads():
+    ref, lin = _pair()
+    ref, lin = ref.float(), lin.float()
+    store = WeightGradStore()
+    make_deferrable(lin, store)
+    x = torch.randn(4, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yr = ref(x)
+        with store.deferring(0):
+            yd = lin(x)
+            assert yd.dtype == torch.bfloat16
+            yd.float().sum().backward()
+    yr.float().sum().backward()
+    store.run(0)
+    assert lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=2e-2, atol=2e-2)
