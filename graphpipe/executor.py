@@ -1,11 +1,11 @@
 """One rank's interpreter of the lowered DualPipeV program: ``DualPipeV``.
 
 The executor runs the lowered Steps of this rank from ``graphpipe.lower``: before each
-compute action, one batch of P2P ops (the sends of the previous action's outputs and the
-receives this action needs), then the action through a dispatch table ``{Op: handler}``.
-Every index lives in the Action; the program is compiled once into a flat list of
-``(comm specs, handler, args, range name)`` so that the per-action host work is a handful of
-attribute reads.
+compute action, one batch of P2P ops (sends of earlier outputs, and receives that this or a
+later action needs; received tensors are kept by (stage, micro-batch) until used), then the
+action through a dispatch table ``{Op: handler}``. Every index lives in the Action; the
+program is compiled once into a flat list of ``(comm specs, handler, args, range name)`` so
+that the per-action host work is a handful of attribute reads.
 """
 
 from __future__ import annotations
@@ -144,6 +144,10 @@ class DualPipeV:
             Step 1 runs eagerly and records metadata, step 2 captures, later steps replay.
         recapture: with capture, a batch of another shape or dtype captures a new graph for
             that signature instead of raising ``ValueError``.
+        capture_optimizer: with capture, an optimizer over this rank's parameters whose step
+            runs inside the step (in the graph on CUDA; it must be ``capturable=True`` there).
+            Each step then zeroes the gradients in place first and steps the optimizer last:
+            do not call ``zero_grad`` or ``step`` on it yourself.
 
     ``step(inputs, labels)`` runs one training step and returns on every rank the mean over
     micro-batches of ``loss_fn`` (0-dim), accumulating into ``.grad`` the gradients of that mean.
@@ -162,6 +166,7 @@ class DualPipeV:
         per_channel_groups: bool = False,
         capture: bool | str = False,
         recapture: bool = False,
+        capture_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if len(stages) != 2 or not all(isinstance(m, nn.Module) for m in stages):
             raise ValueError(
@@ -220,8 +225,24 @@ class DualPipeV:
             Op.OVERLAP_F_B: self._overlap,
         }
         self._bind()
+        # Which (local stage, mb) run an I (split backward): only their forwards need the
+        # deferrable Linear path.
+        self._split_backward = [[False] * m, [False] * m]
+        for a in self.schedule[self.rank]:
+            for part in a.parts():
+                if part.op is Op.I:
+                    self._split_backward[self._local(part.stage)][part.microbatch] = True
         if capture not in (False, True, "step", "action"):
             raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+        if capture_optimizer is not None:
+            if capture is False:
+                raise ValueError("capture_optimizer needs capture=True, 'step' or 'action'")
+            if self.device.type == "cuda" and capture_optimizer.defaults.get("capturable") is False:
+                raise ValueError(
+                    f"capture_optimizer {type(capture_optimizer).__name__} must be created with "
+                    "capturable=True to run inside a CUDA graph"
+                )
+        self.optimizer = capture_optimizer
         self.capture: str | None = (
             None if capture is False else ("step" if capture is True else capture)
         )
@@ -470,7 +491,10 @@ class DualPipeV:
             self._activate(None)
             self._recorder = StepRecord()
             try:
+                self._zero_grads()
                 loss = self._eager_step(sig, inputs, labels, None).clone()
+                if self.optimizer is not None:
+                    self.optimizer.step()
                 record = self._recorder
             finally:
                 self._recorder = None
@@ -484,15 +508,33 @@ class DualPipeV:
                 dst.copy_(src, non_blocking=True)
         if self.device.type != "cuda":
             # CPU: no graph API; the static step itself is the replay.
-            self._prepare_seed(None)
-            self._run(self._train_bound, False)
-            self._check_drained()
-            return self._reduce_loss()
+            self._static_step()
+            return self._loss_out
         if cap.graphs is None:
             cap.graphs = self._capture_graphs()
         self._check_static_grads(cap)
         cap.graphs.replay(self.ranges)
         return self._loss_out
+
+    def _zero_grads(self) -> None:
+        """With ``capture_optimizer``: gradients are zeroed in place at the start of a step."""
+        if self.optimizer is not None:
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def _static_step(self) -> None:
+        """The step on plan buffers only: what CUDA captures and what CPU runs as replay."""
+        self._zero_grads()
+        self._prepare_seed(None)
+        self._run(self._train_bound, False)
+        self._check_drained()
+        self._reduce_loss()
+        self._optimizer_step()
 
     def _make_capture(self, sig: tuple[int, ...], record: StepRecord) -> _Capture:
         program = []
@@ -575,19 +617,16 @@ class DualPipeV:
         if self.num_ranks > 1:
             dist.barrier(group=self.group)  # every rank enters capture together
         if self.capture == "step":
-
-            def whole() -> None:
-                self._run(self._train_bound, False)
-                self._check_drained()
-                self._reduce_loss()
-
-            entries = [("step", whole)]
+            entries = [("step", self._static_step)]
         else:
             entries = [
                 (name or "p2p", functools.partial(self._run_entry, specs, fn, args))
                 for specs, fn, args, name in self._train_bound
             ]
             entries.append(("loss", self._reduce_loss))
+            if self.optimizer is not None:
+                entries.insert(0, ("zero_grad", self._zero_grads))
+                entries.append(("optimizer", self._optimizer_step))
         graphs = CapturedGraphs.capture(entries)
         torch.cuda.synchronize()
         if self.num_ranks > 1:
@@ -734,6 +773,7 @@ class DualPipeV:
 
     def _forward(self, li: int, mb: int) -> None:
         x = self._forward_inputs(li, mb)
+        self.stores[li].split = self._split_backward[li][mb]
         self._finish_forward(li, mb, self.modules[li](*x))
 
     def _backward_operands(self, li: int, mb: int) -> tuple[list, list]:
@@ -795,6 +835,7 @@ class DualPipeV:
             self._backward_full(bli, bmb)
             return
         x = self._forward_inputs(fli, fmb)
+        self.stores[fli].split = self._split_backward[fli][fmb]
         tensors, grads = self._backward_operands(bli, bmb)
         y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
         self._finish_forward(fli, fmb, y)

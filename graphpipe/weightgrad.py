@@ -31,11 +31,15 @@ __all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable"]
 class WeightGradStore:
     """Deferred weight-gradient work of one stage, keyed by the ``W`` action that runs it."""
 
-    __slots__ = ("_key", "_pending")
+    __slots__ = ("_key", "_pending", "split")
 
     def __init__(self) -> None:
         self._pending: dict[Hashable, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = {}
         self._key: Hashable | None = None
+        # Whether forwards run now may have their backward split into I + W. The executor
+        # clears it for micro-batches whose backward is a full B, which then use plain
+        # F.linear autograd (cheaper than the custom Function on the host).
+        self.split = True
 
     @contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
@@ -132,7 +136,7 @@ class DeferrableLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.__dict__.get("_wgrad_store")
-        if store is None or not torch.is_grad_enabled():
+        if store is None or not store.split or not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
         dev = x.device.type

@@ -190,3 +190,44 @@ def test_plan_keeps_buffers_alive_until_the_deferred_W():
     plan = build_plan(program, metas)
     assert plan.lifetimes[("recv_grad", 0, 0)] == (0, 2)
     assert plan.buffers[("recv_grad", 0, 0)][0] is not plan.buffers[("recv_grad", 0, 1)][0]
+
+
+def _optimizer_case(rank: int, world: int) -> list[str]:
+    import graphpipe
+
+    es = local_stages(build_stages(2 * world), rank, world)
+    cs = local_stages(build_stages(2 * world), rank, world)
+    opt_e = torch.optim.Adam(_params(es), lr=1e-2)
+    opt_c = torch.optim.Adam(_params(cs), lr=1e-2)
+    eager = graphpipe.DualPipeV(es, num_microbatches=4, loss_fn=mse)
+    captured = graphpipe.DualPipeV(
+        cs, num_microbatches=4, loss_fn=mse, capture=True, capture_optimizer=opt_c
+    )
+    problems = []
+    for step in range(5):
+        x, y = batch(8, seed=step)
+        xs, ys = (x, y) if rank == 0 else (None, None)
+        opt_e.zero_grad(set_to_none=False)
+        le = eager.step(xs, ys)
+        opt_e.step()
+        lc = captured.step(xs, ys)  # zeroes grads and steps opt_c itself
+        if not torch.equal(le, lc):
+            problems.append(f"step {step}: loss differs")
+        for i, (a, b) in enumerate(zip(_params(es), _params(cs))):
+            if not torch.equal(a, b):
+                problems.append(f"step {step}: parameter {i} differs after the optimizer step")
+    return problems
+
+
+def test_capture_optimizer_runs_zero_grad_and_the_optimizer_step_inside_the_step():
+    for rank, problems in enumerate(run_ranks(_optimizer_case, 2)):
+        assert problems == [], f"rank {rank}"
+
+
+def test_capture_optimizer_without_capture_is_refused():
+    import graphpipe
+
+    stages = local_stages(build_stages(2), 0, 1)
+    opt = torch.optim.SGD(_params(stages), lr=0.1)
+    with pytest.raises(ValueError, match="capture_optimizer needs capture"):
+        graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=mse, capture_optimizer=opt)

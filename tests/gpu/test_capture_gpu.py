@@ -115,3 +115,29 @@ def test_two_rank_p2p_capture_replays_bitwise_equal_to_eager(granularity):
 
     for problems in run_ranks(_two_rank_case, 2, granularity):
         assert problems == []
+
+
+@pytest.mark.parametrize("granularity", ["step", "action"])
+def test_capture_optimizer_runs_capturable_adam_inside_the_graph(granularity):
+    import graphpipe
+
+    dev = torch.device("cuda")
+    es = [s.to(dev) for s in local_stages(build_stages(2, 32, dtype=torch.float32), 0, 1)]
+    cs = [s.to(dev) for s in local_stages(build_stages(2, 32, dtype=torch.float32), 0, 1)]
+    opt_e = torch.optim.Adam(_params(es), lr=1e-3, capturable=True)
+    opt_c = torch.optim.Adam(_params(cs), lr=1e-3, capturable=True)
+    eager = graphpipe.DualPipeV(es, num_microbatches=2, loss_fn=mse)
+    captured = graphpipe.DualPipeV(
+        cs, num_microbatches=2, loss_fn=mse, capture=granularity, capture_optimizer=opt_c
+    )
+    for step in range(4):
+        x, y = (t.to(dev) for t in batch(8, 32, seed=step, dtype=torch.float32))
+        opt_e.zero_grad(set_to_none=False)
+        le = eager.step(x, y)
+        opt_e.step()
+        lc = captured.step(x, y).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(le, lc), f"step {step}"
+        for a, b in zip(_params(es), _params(cs)):
+            assert torch.equal(a, b), f"step {step}"
+    captured.close()
