@@ -18,7 +18,12 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
 
     stages = build_stages(2 * world, tuple_io=case["tuple_io"], tied=case["tied"])
     mine = local_stages(stages, rank, world)
-    pipe = graphpipe.DualPipeV(mine, num_microbatches=case["m"], loss_fn=mse)
+    pipe = graphpipe.DualPipeV(
+        mine,
+        num_microbatches=case["m"],
+        loss_fn=mse,
+        per_channel_groups=case.get("per_channel", False),
+    )
     x, y = batch(case["rows"])
     losses = []
     for _ in range(case.get("steps", 1)):
@@ -67,10 +72,11 @@ CASES = {
         dict(m=4, rows=8, tuple_io=False, tied=False),
         dict(m=5, rows=10, tuple_io=False, tied=True),
         dict(m=7, rows=7, tuple_io=True, tied=False),
+        dict(m=4, rows=8, tuple_io=True, tied=True, per_channel=True, steps=2),
     ],
     4: [
         dict(m=8, rows=16, tuple_io=False, tied=True),
-        dict(m=9, rows=9, tuple_io=True, tied=False),
+        dict(m=9, rows=9, tuple_io=True, tied=False, per_channel=True),
     ],
 }
 
