@@ -50,7 +50,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "Data: the Python standard library's own source files, or --data FILE."
         ),
     )
-    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks to spawn (default 2)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="pipeline ranks to spawn (default 2; ignored under torchrun)",
+    )
     p.add_argument(
         "--microbatches", type=int, default=None, help="micro-batches per step (default 2*2N)"
     )
@@ -99,11 +104,12 @@ def _check(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from .launch import joined_torchrun, launch
 
-    if not joined_torchrun():
-        problem = _check(args)
-        if problem is not None:
-            print(f"graphpipe train: error: {problem}", file=sys.stderr)
-            return 2
+    if joined_torchrun():
+        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
+    problem = _check(args)
+    if problem is not None:
+        print(f"graphpipe train: error: {problem}", file=sys.stderr)
+        return 2
     launch(_train_rank, args.ranks, args.device, vars(args).copy())
     return 0
 
