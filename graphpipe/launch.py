@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -56,7 +57,18 @@ def _entry(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
     try:
         fn(rank, world, dev, *args)
     finally:
-        dist.destroy_process_group()
+        _teardown()
+
+
+def _teardown() -> None:
+    """Free pipelines (and their graphs) before the process group they use.
+
+    A ``DualPipeV`` sits in reference cycles (its bound-method dispatch tables), so only the
+    cyclic garbage collector frees it; left to interpreter shutdown, a rank can abort at exit
+    while gloo is torn down under it.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> None:
@@ -71,7 +83,7 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
         try:
             fn(rank, world, dev, *args)
         finally:
-            dist.destroy_process_group()
+            _teardown()
         return
     if num_ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {num_ranks}")

@@ -41,6 +41,9 @@ def _worker(
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
+            import gc
+
+            gc.collect()  # free pipelines before the process group they use
             dist.destroy_process_group()
 
 
