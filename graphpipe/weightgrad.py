@@ -67,8 +67,12 @@ class WeightGradStore:
             raise RuntimeError(
                 f"no deferred weight-gradient work for {key!r}; pending: {list(self._pending)}"
             ) from None
-        for module, x, g in work:
-            _accumulate_weight_grad(module, x, g)
+        # Outside autograd: the stashed input x may require grad (an activation inside the
+        # stage), and grad_out^T @ x would then build a graph into .grad, keeping the
+        # micro-batch's activations alive and leaving .grad with requires_grad=True.
+        with torch.no_grad():
+            for module, x, g in work:
+                _accumulate_weight_grad(module, x, g)
         return len(work)
 
     def pending(self) -> list[Hashable]:

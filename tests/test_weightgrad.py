@@ -98,3 +98,17 @@ def test_deferred_linear_under_bf16_autocast_accumulates_fp32_grads():
     store.run(0)
     assert lin.weight.grad.dtype == torch.float32
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_W_accumulates_plain_gradients_without_an_autograd_graph():
+    # The stashed input of an inner Linear requires grad (it is an activation of the stage):
+    # W must not build a graph into .grad (that would keep the micro-batch alive).
+    store = WeightGradStore()
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    make_deferrable(model, store)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    with store.deferring("w"):
+        model(x).sum().backward()
+    store.run("w")
+    for p in model.parameters():
+        assert p.grad is not None and not p.grad.requires_grad and p.grad.grad_fn is None
