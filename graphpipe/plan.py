@@ -21,9 +21,11 @@ from .meta import TensorMeta
 __all__ = ["BufferKey", "StaticPlan", "build_plan"]
 
 BufferKey = tuple[str, int, int]
-"""``(kind, stage, microbatch)``; kind is ``"recv_activation"`` or ``"recv_grad"``."""
+"""``(kind, stage, microbatch)``; kind is ``"recv_activation"``, ``"recv_grad"``, or, for
+several messages that travel as one flat buffer (gloo packets), ``"recv_packet"`` /
+``"send_packet"`` keyed by the packet's first message."""
 
-KINDS = ("inputs", "labels", "recv_activation", "recv_grad")
+KINDS = ("inputs", "labels", "recv_activation", "recv_grad", "recv_packet", "send_packet")
 
 
 @dataclass
@@ -93,26 +95,32 @@ def _nbytes(metas: Sequence[TensorMeta]) -> int:
 
 
 def build_plan(
-    program: Sequence[tuple[Sequence[tuple[str, int, int]], Action | None]],
+    program: Sequence[tuple[Sequence[BufferKey], Action | None]],
     metas: dict[BufferKey, tuple[TensorMeta, ...]],
     inputs: Sequence[TensorMeta] = (),
     labels: Sequence[TensorMeta] = (),
+    readers: dict[BufferKey, Sequence[tuple[int, int]]] | None = None,
 ) -> StaticPlan:
     """Allocate the buffers of one step.
 
-    program: per schedule step, the receive buffer keys it posts and its compute action.
-    metas: the metadata of each receive buffer key (from the warmup step).
+    program: per schedule step, the buffer keys it posts and its compute action.
+    metas: the metadata of each buffer key (from the warmup step).
     inputs / labels: metadata of the whole-batch tensors (rank 0 only).
+    readers: the ``(stage, microbatch)`` whose last action ends each key's life (default:
+        the key's own; an empty list: the buffer dies with its step, as a send buffer does).
     """
     end = _end_of_life([a for _, a in program])
+    readers = readers or {}
     lifetimes: dict[BufferKey, tuple[int, int]] = {}
     for i, (keys, _) in enumerate(program):
         for key in keys:
             if key in lifetimes:
-                raise ValueError(f"buffer {key} is received twice in one step")
-            last = end.get((key[1], key[2]))
-            if last is None or last < i:
-                raise ValueError(f"buffer {key} received at step {i} is never consumed")
+                raise ValueError(f"buffer {key} is posted twice in one step")
+            last = i
+            for who in readers.get(key, [(key[1], key[2])]):
+                if (done := end.get(who)) is None or done < i:
+                    raise ValueError(f"buffer {key} received at step {i} is never consumed")
+                last = max(last, done)
             lifetimes[key] = (i, last)
     free: dict[tuple[TensorMeta, ...], list[_Slot]] = {}
     buffers: dict[BufferKey, tuple[torch.Tensor, ...]] = {}

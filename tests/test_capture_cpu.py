@@ -67,7 +67,14 @@ def _bitwise_case(rank: int, world: int, m: int, rows: int, steps: int, tuple_io
         opt_e.step()
         opt_c.step()
     plan = captured.plan
+    packets = {id(sp.packet): sp.packet for specs, _ in captured._train_program for sp in specs}
+    packets.pop(id(None), None)
     return {
+        "packets": len(packets),
+        "packets_on_plan": all(
+            p.static is not None and p.static.data_ptr() in plan.data_ptrs()
+            for p in packets.values()
+        ),
         "mismatches": mismatches,
         "allocs_after_plan": allocs_after_plan,
         "planned": sum(plan.nbytes().values()),
@@ -88,6 +95,9 @@ def test_static_replay_is_bitwise_equal_to_eager_over_steps(world, m, rows, tupl
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
         assert res["allocs_after_plan"] == 0, f"rank {rank} allocated plan-managed buffers"
         assert res["record"] == 2 * m  # every forward of both local stages was recorded
+        # messages packed per peer (gloo) travel through plan buffers too
+        assert res["packets_on_plan"]
+        assert (res["packets"] > 0) == (world > 1)
         if world > 1:
             # Receive buffers are reused across micro-batches whose lifetimes do not overlap.
             assert 0 < res["p2p_planned"] < res["p2p_naive"], res
