@@ -216,6 +216,7 @@ _FORMATS: dict[str, Callable[[dict, dict[str, Any]], None]] = {
 _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
     "schedule": _add_schedule_parser,
     "train": lambda sub: _lazy("train").add_parser(sub),
+    "bench": lambda sub: _lazy("bench").add_parser(sub),
 }
 
 

@@ -1,0 +1,152 @@
+"""``graphpipe bench`` end to end, tiny: every mode runs, the JSON is complete and consistent.
+
+No timing assertions: only that each mode produced positive step times and that the derived
+figures (ratios to graphpipe eager, tokens/s) agree with the step times they come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphpipe import bench
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 2
+TINY = [
+    "--ranks", "2", "--steps", str(STEPS), "--warmup", "1", "--hidden", "4",
+    "--microbatches", "4", "--mb-rows", "1", "--regime", "both",
+]  # fmt: skip
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse ``graphpipe bench ARGV`` with bench's own parser (what cli.py registers)."""
+    parser = argparse.ArgumentParser(prog="graphpipe")
+    sub = parser.add_subparsers(dest="command")
+    bench.add_parser(sub)
+    return parser.parse_args(["bench", *argv])
+
+
+def _expected_modes() -> set[str]:
+    modes = {bench.MODE_EAGER, bench.MODE_TORCH}
+    if bench.capture_supported():
+        modes.add(bench.MODE_REPLAY)
+    return modes
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    js, svg = out / "bench.json", out / "timeline.svg"
+    args = _parse([*TINY, "--json", str(js), "--plot", str(svg)])
+    assert args.func(args) == 0
+    return json.loads(js.read_text()), svg, bench.format_report(json.loads(js.read_text()))
+
+
+def test_every_mode_ran_or_was_skipped_with_a_reason(result: tuple[dict, Path, str]) -> None:
+    data, _, _ = result
+    assert set(data["regimes"]) == {"overhead", "compute"}  # sweep needs CUDA
+    for name, reg in data["regimes"].items():
+        ran, skipped = set(reg["modes"]), set(reg["skipped"])
+        assert _expected_modes() <= ran, name
+        assert ran | skipped == set(bench.MODES), name
+        assert not ran & skipped, name
+        assert all(isinstance(why, str) and why for why in reg["skipped"].values())
+
+
+def test_step_times_are_positive_and_ratios_consistent(result: tuple[dict, Path, str]) -> None:
+    data, _, _ = result
+    for reg in data["regimes"].values():
+        eager = reg["modes"][bench.MODE_EAGER]["median_s"]
+        for name, m in reg["modes"].items():
+            ts = m["step_times_s"]
+            assert len(ts) == STEPS, name
+            assert all(t > 0 for t in ts), name
+            assert m["min_s"] <= m["q1_s"] <= m["median_s"] <= m["q3_s"] <= m["max_s"]
+            assert math.isclose(m["ratio_to_eager"], m["median_s"] / eager, rel_tol=1e-9)
+            assert math.isclose(
+                m["tokens_per_s"] * m["median_s"], reg["tokens_per_step"], rel_tol=1e-9
+            )
+            assert len(m["peak_memory_per_rank"]) == data["config"]["ranks"]
+            for r in m["peak_memory_per_rank"]:
+                assert r.get("peak_rss_bytes", r.get("peak_bytes", 0)) > 0, name
+                assert r["step_peak_bytes"] > 0, name
+                assert r["params_and_grads_bytes"] > 0, name
+            assert m["paired_ratio_to_eager"] > 0, name
+        assert reg["modes"][bench.MODE_EAGER]["ratio_to_eager"] == 1.0
+        assert reg["modes"][bench.MODE_EAGER]["paired_ratio_to_eager"] == 1.0
+
+
+def test_all_modes_compute_the_same_loss_and_gradients(result: tuple[dict, Path, str]) -> None:
+    data, _, _ = result
+    for reg in data["regimes"].values():
+        check = reg["check"]
+        assert check["reference"] == bench.MODE_EAGER
+        for name in reg["modes"]:
+            if name == bench.MODE_EAGER:
+                continue
+            assert check[name]["abs_diff"] <= 1e-5 * abs(check["reference_loss"]), name
+            assert check[name]["max_rel_grad_diff"] <= 1e-4, name
+
+
+def test_host_overhead_and_simulation_figures(result: tuple[dict, Path, str]) -> None:
+    data, _, _ = result
+    host = data["host_overhead"]
+    assert host["world"]["compute_cells_per_rank"] > 0
+    assert all(v > 0 for v in host["world"]["per_action_s"].values())
+    one = host["one_rank"]
+    assert all(t > 0 for t in one["median_s"].values())
+    assert math.isfinite(one["executor_overhead_per_action_s"])
+    for reg in data["regimes"].values():
+        sim = reg["simulation"]
+        assert all(sim["costs_s"][k] > 0 for k in "FBIW")
+        for pred in sim["predictions"].values():
+            assert pred["makespan_s"] > 0
+            assert 0 <= pred["bubble_fraction"] < 1
+        rec = sim["measured"]["recorded_step"]
+        assert rec["makespan_s"] > 0
+        labels = {r["label"] for r in reg["timeline"]}
+        assert "step" in labels and any(lbl.endswith("F0") for lbl in labels)
+
+
+def test_report_and_plot(result: tuple[dict, Path, str]) -> None:
+    data, svg, report = result
+    for reg in data["regimes"].values():
+        for name in reg["modes"]:
+            assert name in report
+    text = svg.read_text()
+    assert text.startswith("<svg") and text.rstrip().endswith("</svg>")
+    assert "measured" in text and "simulated" in text and "rank 1" in text
+
+
+def test_bad_arguments_exit_with_a_message() -> None:
+    with pytest.raises(SystemExit, match="--microbatches must be >= 2"):
+        args = _parse(["--ranks", "2", "--microbatches", "3"])
+        args.func(args)
+    with pytest.raises(SystemExit, match=r"\.svg"):
+        args = _parse(["--plot", "x.png"])
+        args.func(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only without CUDA")
+def test_cuda_without_a_gpu_is_skipped_with_a_note(tmp_path: Path) -> None:
+    js = tmp_path / "cuda.json"
+    args = _parse(["--device", "cuda", "--regime", "sweep", "--json", str(js)])
+    assert args.func(args) == 0
+    assert "CUDA is not available" in json.loads(js.read_text())["skipped"]
+
+
+def test_bench_world_runs_steps_on_every_rank() -> None:
+    w = bench.Workload("overhead", "mlp", 4, 4, 1)
+    with bench.BenchWorld(2) as world:
+        names, skipped = world.setup(w)
+        assert _expected_modes() <= set(names)
+        assert set(names) | set(skipped) == set(bench.MODES)
+        for name in names:
+            assert world.step(name) > 0
