@@ -439,16 +439,16 @@ class DualPipeV:
         sig = self._agree(inputs, None, train=False)
         handshake = sig != self._infer_signature
         self._infer_signature = sig
+        saved = self._metas, self._mb_inputs  # a captured step's static views stay put
         if self.rank == 0:
             self._mb_inputs = self._split(inputs)
-        saved = self._metas
         self._metas = self._infer_metas
         self._infer = True
         try:
             self._run(self._infer_bound, handshake)
         finally:
             self._infer = False
-            self._metas = saved
+            self._metas, self._mb_inputs = saved
         if self.rank != 0:
             return None
         outs = [_as_tuple(o) for o in self._outputs]
