@@ -739,6 +739,7 @@ class DualPipeV:
     # ------------------------------------------------------------ the loop
     def _run(self, program: list[tuple], handshake: bool) -> None:
         ranges = self.ranges
+        depth = ranges.depth
         ranges.push("step")
         try:
             for specs, fn, args, name in program:
@@ -748,8 +749,19 @@ class DualPipeV:
                     ranges.push(name)
                     fn(*args)
                     ranges.pop()
+        except BaseException:
+            self._drop_step_state()
+            raise
         finally:
-            ranges.pop()
+            ranges.unwind(depth)
+
+    def _drop_step_state(self) -> None:
+        """After a failed step: forget its micro-batches and deferred work."""
+        for table in (self._in, self._out, self._gout, self._gin):
+            for row in table:
+                row[:] = [None] * len(row)
+        for store in self.stores:
+            store.clear()
 
     def _message(self, spec: _CommSpec) -> Tensors:
         if spec.kind == "F":

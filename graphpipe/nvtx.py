@@ -56,3 +56,13 @@ class Ranges:
             _rf_exit(handle)
         if self._domain is not None:
             self._domain.pop_range()
+
+    @property
+    def depth(self) -> int:
+        """Ranges open now."""
+        return len(self._stack)
+
+    def unwind(self, depth: int) -> None:
+        """Close ranges until ``depth`` are open (after an exception inside a range)."""
+        while len(self._stack) > depth:
+            self.pop()

@@ -159,3 +159,24 @@ def test_a_loss_fn_that_returns_a_non_scalar_is_refused():
     pipe = graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=lambda o, t: (o - t) ** 2)
     with pytest.raises(ValueError, match="loss_fn must return a 0-dim tensor"):
         pipe.step(*batch(4))
+
+
+def test_a_step_that_fails_inside_an_action_leaves_the_pipeline_usable(monkeypatch):
+    from graphpipe.weightgrad import WeightGradStore
+
+    pipe = _pipe(3)
+    x, y = batch(6)
+    ref = pipe.step(x, y)
+    real = WeightGradStore.run
+
+    def failing(store, key):
+        raise RuntimeError("boom in W")
+
+    monkeypatch.setattr(WeightGradStore, "run", failing)
+    with pytest.raises(RuntimeError, match="boom in W"):
+        pipe.step(x, y)  # fails after its I: deferred work was pending
+    assert pipe.ranges.depth == 0  # every range was closed
+    monkeypatch.setattr(WeightGradStore, "run", real)
+    for m in pipe.modules:
+        m.zero_grad()
+    assert torch.equal(pipe.step(x, y), ref)
