@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="pipeline ranks to spawn (default 2; ignored under torchrun)",
     )
     p.add_argument(
-        "--microbatches", type=int, default=None, help="micro-batches per step (default 2*2N)"
+        "--microbatches", type=int, default=None, help="micro-batches per step (default 4N)"
     )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
@@ -75,6 +75,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         choices=("float32", "bfloat16"),
         default="float32",
         help="bfloat16 runs the stages under torch.autocast",
+    )
+    p.add_argument(
+        "--capture",
+        choices=("none", "step", "action"),
+        default="none",
+        help="capture the step after one eager warmup step: CUDA graphs per step or per "
+        "action on GPU, the static replay on CPU (default none)",
     )
     p.add_argument(
         "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
@@ -132,7 +139,8 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
     stages = build_stages(cfg, 2 * world, seed=opts["seed"], device=device)
     mine = (stages[rank], stages[2 * world - 1 - rank])
     loss_fn = LlamaLoss(cfg.use_kernels)
-    pipe = DualPipeV(mine, num_microbatches=opts["microbatches"], loss_fn=loss_fn)
+    capture = False if opts["capture"] == "none" else opts["capture"]
+    pipe = DualPipeV(mine, num_microbatches=opts["microbatches"], loss_fn=loss_fn, capture=capture)
     params = unique_parameters(mine)
     opt = torch.optim.AdamW(params, lr=opts["lr"])
     batches = None
@@ -155,7 +163,8 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
         for step in range(1, opts["steps"] + 1):
             x, y = next(batches) if batches is not None else (None, None)
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
+            # A captured step accumulates into static .grad tensors: zero them in place.
+            opt.zero_grad(set_to_none=capture is False)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = pipe.step(x, y)
             opt.step()
@@ -174,6 +183,7 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
     finally:
+        pipe.close()
         if out is not None:
             out.close()
     if rank == 0:

@@ -88,3 +88,15 @@ def test_bad_train_arguments_exit_2_with_one_line(args, message):
     proc = _train(*args)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"graphpipe train: error: {message}"
+
+
+def test_a_captured_run_reproduces_the_eager_losses_bit_for_bit(tmp_path):
+    small = ["--steps", "4", "--hidden", "16", "--layers", "2", "--heads", "2", "--seq-len", "16"]
+    losses = {}
+    for mode in ("none", "step"):
+        metrics = tmp_path / f"{mode}.jsonl"
+        proc = _train(*small, "--capture", mode, "--metrics", str(metrics))
+        assert proc.returncode == 0, proc.stderr
+        losses[mode] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses["step"]) == 4
+    assert losses["step"] == losses["none"]
