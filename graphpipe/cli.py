@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _count(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -61,9 +61,13 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
         description="Generate a schedule, check it, simulate it with batched rendezvous P2P, "
         "and print it as a grid with statistics, as torch's compute-only CSV, or as JSON.",
     )
-    p.add_argument("--ranks", type=_count, required=True, metavar="N", help="pipeline ranks")
+    p.add_argument("--ranks", type=positive_int, required=True, metavar="N", help="pipeline ranks")
     p.add_argument(
-        "--microbatches", type=_count, required=True, metavar="M", help="micro-batches per step"
+        "--microbatches",
+        type=positive_int,
+        required=True,
+        metavar="M",
+        help="micro-batches per step",
     )
     p.add_argument(
         "--schedule",

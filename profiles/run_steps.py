@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,10 @@ from graphpipe.bench import (
     MODE_REPLAY,
     MODE_TORCH,
     Workload,
-    _build_modes,
-    _workloads,
+    build_modes,
+    host_workload,
+    timed_step,
+    workloads,
 )
 from graphpipe.launch import launch
 
@@ -41,18 +42,16 @@ _MODES = {"eager": MODE_EAGER, "replay": MODE_REPLAY, "torch": MODE_TORCH}
 
 def _workload(regime: str, world: int, opts: dict) -> Workload:
     if regime == "host":
-        return Workload("host", "tiny", 1, opts["microbatches"] or 4 * world, 1)
-    found, _ = _workloads({**opts, "regime": regime}, world, "cpu")
+        return host_workload(opts["microbatches"] or 4 * world)
+    sizes = {k: opts[k] for k in ("hidden", "microbatches", "mb_rows")}
+    found, _ = workloads(regime, world, "cpu", **sizes)
     return found[0]
 
 
 def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     w = _workload(opts["regime"], world, opts)
-    modes, skipped = _build_modes(w, rank, world, device, dist.group.WORLD)
     name = _MODES[opts["mode"]]
-    if name in skipped:
-        raise SystemExit(f"{name}: {skipped[name]}")
-    mode = next(m for m in modes if m.name == name)
+    (mode,), _ = build_modes(w, rank, world, device, dist.group.WORLD, only=(name,))
     x, y = w.batch(device)
     batch = (x, y) if rank == 0 else (None, None)
     times = []
@@ -61,16 +60,11 @@ def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
         if opts["torch_profile"] and i == opts["steps"] - 5:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.start()
-        mode.zero_grad()
-        dist.barrier()
-        t0 = time.perf_counter()
-        mode.run_step(*batch)
-        times.append(time.perf_counter() - t0)
+        times.append(timed_step(mode, *batch, dist.group.WORLD, device))
     if prof is not None:
         prof.stop()
         _report(prof, rank, Path(opts["torch_profile"]))
-    for m in modes:
-        m.close()
+    mode.close()
     if rank == 0:
         tail = times[len(times) // 5 :]
         print(

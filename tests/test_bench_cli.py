@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,10 +36,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _expected_modes() -> set[str]:
-    modes = {bench.MODE_EAGER, bench.MODE_TORCH}
-    if bench.capture_supported():
-        modes.add(bench.MODE_REPLAY)
-    return modes
+    return {bench.MODE_EAGER, bench.MODE_REPLAY, bench.MODE_TORCH}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +131,28 @@ def test_bad_arguments_exit_with_a_message() -> None:
     with pytest.raises(SystemExit, match=r"\.svg"):
         args = _parse(["--plot", "x.png"])
         args.func(args)
+
+
+def test_whole_number_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parse(["--warmup", "0"]).warmup == 0
+    for argv, message in [
+        (["--warmup", "-1"], "must be >= 0, got -1"),
+        (["--steps", "0"], "must be >= 1, got 0"),
+        (["--ranks", "two"], "expected a whole number, got 'two'"),
+    ]:
+        with pytest.raises(SystemExit):
+            _parse(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "graphpipe.bench", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.startswith("usage: graphpipe bench")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="only without CUDA")

@@ -27,14 +27,22 @@ from collections.abc import Iterator
 
 import pytest
 
-from graphpipe.bench import MODE_EAGER, MODE_REPLAY, MODE_TORCH, BenchWorld, Workload
+from graphpipe.bench import (
+    MODE_EAGER,
+    MODE_REPLAY,
+    MODE_TORCH,
+    BenchWorld,
+    Workload,
+    host_workload,
+    workloads,
+)
 
 RANKS = 2
-# regime -> (workload, rounds, warmup rounds)
+# regime -> (workload, rounds, warmup rounds): graphpipe bench's workloads
 REGIMES: dict[str, tuple[Workload, int, int]] = {
-    "overhead": (Workload("overhead", "mlp", 32, 16 * RANKS, 2), 30, 3),
-    "compute": (Workload("compute", "mlp", 1024, 4 * RANKS, 32), 10, 2),
-    "host": (Workload("host", "tiny", 1, 4 * RANKS, 1), 50, 5),
+    "overhead": (workloads("overhead", RANKS, "cpu")[0][0], 30, 3),
+    "compute": (workloads("compute", RANKS, "cpu")[0][0], 10, 2),
+    "host": (host_workload(4 * RANKS), 50, 5),
 }
 MODES = (MODE_EAGER, MODE_REPLAY, MODE_TORCH)
 

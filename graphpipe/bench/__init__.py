@@ -1,0 +1,207 @@
+"""``graphpipe bench``: graphpipe eager vs replay vs torch's ScheduleDualPipeV (and DualPipe).
+
+One run, one process group, the same stages (built from one seed) and the same batch for every
+mode. Methods, so that a reader can judge the figures:
+
+* **Step time**: the modes are interleaved round by round (round ``i`` starts at mode
+  ``i mod K``), each step starts after a barrier on every rank, and a step's time is the
+  largest of the ranks' wall times (on CUDA after ``torch.cuda.synchronize``). Gradients are
+  reset outside the timed region (``set_to_none``; in place for replay, whose captured step
+  accumulates into the static ``.grad`` tensors); no optimizer runs. Every rank runs the same
+  steps: ``--warmup`` untimed rounds, then ``--steps`` timed ones. The table shows the median,
+  the inter-quartile range and min-max; ``vs eager`` is the ratio of medians, ``paired`` the
+  median over rounds of (this mode's step / graphpipe eager's step in the same round), which
+  cancels most of the drift of a shared machine.
+* **Loss check**: before timing, one step of every mode on the same weights and batch; the
+  losses (and, for the MLP, every gradient) are compared with graphpipe eager's.
+* **Peak memory**: one extra untimed step per mode, gradients zeroed in place first (so the
+  figure is what the step allocates: activations, P2P buffers, temporaries). CUDA:
+  ``max_memory_allocated`` after ``reset_peak_memory_stats`` (absolute and above the start).
+  CPU (torch has no CPU allocator statistics): the torch profiler's allocation events
+  (``profile_memory=True``) summed in time order, peak above the step's start: exact tensor
+  bytes. The JSON also has the step's RSS peak (``VmHWM`` reset through
+  ``/proc/self/clear_refs``), absolute and above its start; that one depends on what the C
+  allocator kept from earlier work, so it does not compare modes run one after another. Per
+  rank; the table shows the largest rank. Parameter + gradient bytes and the process's peak
+  RSS (``getrusage``, whole run) are in the JSON.
+* **Host overhead per action**: trivial stages (one ``Linear(1, 1)``, one row per
+  micro-batch). (a) the full world: step time / compute cells per rank (includes P2P);
+  (b) a one-rank pipeline on rank 0 (a process group of rank 0 alone, both stages local, no
+  P2P): ``(step - bare) / cells``, where *bare* runs the same stage calls and autograd
+  backwards per micro-batch in a plain loop, with plain ``nn.Linear`` and with graphpipe's
+  ``DeferrableLinear``; the difference between the two bares is the cost of the I/W split.
+* **Bubble vs simulator**: each rank times its two stages alone (median of repeats): F (the
+  last stage includes the loss), B, I (backward with the Linear weight GEMMs deferred) and W.
+  The means over all stages, plus the median or the mean of 100 two-way P2P exchanges between
+  ranks 0 and 1 (``Costs.p2p``, per communication batch), become ``simulate.Costs``;
+  ``simulate(lower(dualpipev), placement, costs)`` predicts the makespan and the bubble,
+  compared with the measured median step and with the bubble of one recorded step (per-action
+  start/end taken by standing in for the executor's range emitter, ``DualPipeV.ranges``).
+  ``--plot`` draws that recorded timeline above the simulated one (SVG).
+
+Timings on a shared machine are noisy: read medians and spreads, repeat runs.
+
+Modules: ``workloads`` (stage models, ``Workload``, the regimes), ``modes`` (the contenders),
+``measure`` (timed steps, interleaving, the loss check, the recorded timeline), ``memory``,
+``host`` (host overhead per action), ``costs`` (stage and P2P costs, the simulator
+comparison), ``rank`` (the rank program), ``report`` (tables and the plot), ``world``
+(``BenchWorld``, a pre-spawned world for pytest-benchmark); here: the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphpipe.cli import positive_int
+
+from .measure import timed_step
+from .modes import MODE_DUALPIPE, MODE_EAGER, MODE_REPLAY, MODE_TORCH, MODES, Mode, build_modes
+from .report import format_report
+from .workloads import REGIME_CHOICES, MLPStage, TinyStage, Workload, host_workload, workloads
+from .world import BenchWorld
+
+__all__ = [
+    "MODES",
+    "MODE_DUALPIPE",
+    "MODE_EAGER",
+    "MODE_REPLAY",
+    "MODE_TORCH",
+    "BenchWorld",
+    "MLPStage",
+    "Mode",
+    "TinyStage",
+    "Workload",
+    "add_parser",
+    "build_modes",
+    "format_report",
+    "host_workload",
+    "main",
+    "run",
+    "timed_step",
+    "workloads",
+]
+
+
+def _non_negative(text: str) -> int:
+    """``--warmup``: a whole number >= 0 (``positive_int`` wants >= 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        return positive_int(text)  # its "expected a whole number" error
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``graphpipe bench`` on the subparsers ``sub``; ``func`` is ``run``."""
+    p = sub.add_parser(
+        "bench",
+        help="step time, tokens/s and memory: graphpipe eager/replay vs torch's DualPipeV",
+        description=(
+            "Benchmark graphpipe's DualPipeV (eager and replay) against "
+            "torch.distributed.pipelining.ScheduleDualPipeV (and DeepSeek's DualPipe where "
+            "installed) on the same stages, batch and process group, A/B interleaved. Also "
+            "measures the executor's host overhead per action and compares the measured "
+            "step with the simulator's prediction from measured F/B/I/W costs. Without "
+            "torchrun it spawns --ranks local processes (gloo on CPU, NCCL with --device "
+            "cuda, one GPU per rank)."
+        ),
+    )
+    p.add_argument("--ranks", type=positive_int, default=2, help="pipeline ranks (default 2)")
+    p.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="micro-batches per step for every regime (default: overhead 16N, others 4N)",
+    )
+    p.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=None,
+        metavar="H",
+        help="model width for every regime (default: overhead 32, compute 1024, realistic 128)",
+    )
+    p.add_argument(
+        "--mb-rows",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help="rows per micro-batch for every regime (default: overhead 2, compute 32)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--steps", type=positive_int, default=20, help="timed steps per mode (default 20)"
+    )
+    p.add_argument(
+        "--warmup", type=_non_negative, default=3, help="untimed rounds first (default 3)"
+    )
+    p.add_argument(
+        "--regime",
+        choices=REGIME_CHOICES,
+        default="both",
+        help="overhead: small hidden, many tiny micro-batches; compute: wide MLP; realistic: "
+        "the built-in Llama; sweep: micro-batch sizes on CUDA; both: overhead + compute "
+        "(+ sweep on CUDA); all: every regime (default both)",
+    )
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw the measured per-rank timeline of one step next to the simulated one (.svg)",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    m = args.microbatches
+    if m is not None and m < 2 * args.ranks:
+        raise SystemExit(
+            f"graphpipe bench: --microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
+        )
+    if args.plot and Path(args.plot).suffix.lower() != ".svg":
+        raise SystemExit(f"graphpipe bench: --plot writes SVG; use a .svg path, not {args.plot!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``graphpipe bench``: spawn (or join torchrun's) ranks, print the table, write JSON.
+
+    ``--device cuda`` without CUDA skips the whole benchmark with a note (and a JSON holding
+    only ``skipped``) and returns 0: the GPU figures exist only where a GPU does.
+    """
+    from graphpipe.launch import joined_torchrun, launch
+
+    from .rank import bench_rank, say
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        why = "--device cuda was asked for, but CUDA is not available"
+        say(f"skipped: {why}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"skipped": why}, indent=2))
+        return 0
+    if joined_torchrun():
+        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
+    _check(args)
+    opts = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
+    opts["command_line"] = " ".join(sys.argv)
+    launch(bench_rank, args.ranks, args.device, opts)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m graphpipe.bench ARGS``: the same as ``graphpipe bench ARGS``."""
+    parser = argparse.ArgumentParser(prog="graphpipe")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
