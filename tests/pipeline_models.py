@@ -84,3 +84,23 @@ def batch(num_rows: int, dim: int = 8, seed: int = 1, dtype: torch.dtype = torch
         torch.randn(num_rows, dim, generator=g, dtype=dtype),
         torch.randn(num_rows, dim, generator=g, dtype=dtype),
     )
+
+
+def params(stages) -> list[torch.nn.Parameter]:
+    return [p for s in stages for p in s.parameters()]
+
+
+def twin_step(eager, eager_stages, captured, captured_stages, x, y) -> list[str]:
+    """One step of an eager and a captured pipeline on the same batch (grads zeroed in place
+    first); returns what differs bitwise: the loss or any parameter's gradient."""
+    for s in (*eager_stages, *captured_stages):
+        s.zero_grad(set_to_none=False)
+    le = eager.step(x, y)
+    lc = captured.step(x, y).clone()
+    if le.is_cuda:
+        torch.cuda.synchronize()
+    problems = [] if torch.equal(le, lc) else [f"loss {le.item()!r} != {lc.item()!r}"]
+    for i, (a, b) in enumerate(zip(params(eager_stages), params(captured_stages))):
+        if not torch.equal(a.grad, b.grad):
+            problems.append(f"grad of parameter {i}: max diff {(a.grad - b.grad).abs().max()}")
+    return problems

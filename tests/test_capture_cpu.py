@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pipeline_models import batch, build_stages, local_stages, mse
+from tests.pipeline_models import batch, build_stages, local_stages, mse, params, twin_step
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -28,16 +28,12 @@ def _twin_pipelines(rank: int, world: int, m: int, **kw):
     return eager, eager_stages, captured, cap_stages
 
 
-def _params(stages):
-    return [p for s in stages for p in s.parameters()]
-
-
 def _bitwise_case(rank: int, world: int, m: int, rows: int, steps: int, tuple_io: bool) -> dict:
     import graphpipe.meta as meta
 
     eager, es, captured, cs = _twin_pipelines(rank, world, m, tuple_io=tuple_io)
-    opt_e = torch.optim.SGD(_params(es), lr=0.1)
-    opt_c = torch.optim.SGD(_params(cs), lr=0.1)
+    opt_e = torch.optim.SGD(params(es), lr=0.1)
+    opt_c = torch.optim.SGD(params(cs), lr=0.1)
     mismatches: list[str] = []
     allocs_after_plan = 0
     real_empty = meta.TensorMeta.empty
@@ -65,7 +61,7 @@ def _bitwise_case(rank: int, world: int, m: int, rows: int, steps: int, tuple_io
             meta.TensorMeta.empty = real_empty
         if not torch.equal(le, lc):
             mismatches.append(f"step {step}: loss {le.item()!r} != {lc.item()!r}")
-        for i, (pe, pc) in enumerate(zip(_params(es), _params(cs))):
+        for i, (pe, pc) in enumerate(zip(params(es), params(cs))):
             if not torch.equal(pe.grad, pc.grad):
                 mismatches.append(f"step {step}: grad of param {i} differs")
         opt_e.step()
@@ -121,14 +117,8 @@ def _shape_case(rank: int, world: int) -> dict:
         captured.step(bx if rank == 0 else None, by if rank == 0 else None)
     except ValueError as e:
         err = str(e)
-    for s in es + cs:
-        s.zero_grad(set_to_none=False)
     # the pipeline keeps working with the original shape, still bitwise equal
-    le, lc = eager.step(xs, ys), captured.step(xs, ys)
-    same = torch.equal(le, lc) and all(
-        torch.equal(a.grad, b.grad) for a, b in zip(_params(es), _params(cs))
-    )
-    return {"err": err, "same": same}
+    return {"err": err, "problems": twin_step(eager, es, captured, cs, xs, ys)}
 
 
 def test_a_batch_of_another_shape_raises_on_every_rank_and_the_pipeline_keeps_working():
@@ -136,29 +126,23 @@ def test_a_batch_of_another_shape_raises_on_every_rank_and_the_pipeline_keeps_wo
         assert res["err"] is not None, f"rank {rank} did not raise"
         assert "inputs[0] has shape [12, 8] float64" in res["err"]
         assert "captured with inputs[0] of shape [8, 8] float64" in res["err"]
-        assert res["same"], f"rank {rank}: replay after the error differs from eager"
+        assert res["problems"] == [], f"rank {rank}: replay after the error differs from eager"
 
 
-def _recapture_case(rank: int, world: int) -> list[bool]:
+def _recapture_case(rank: int, world: int) -> dict:
     eager, es, captured, cs = _twin_pipelines(rank, world, 4, recapture=True)
-    same = []
+    problems = []
     for rows in (8, 8, 12, 12, 12, 8, 12):
         x, y = batch(rows, seed=rows)
         xs, ys = (x, y) if rank == 0 else (None, None)
-        for s in es + cs:
-            s.zero_grad(set_to_none=False)
-        le, lc = eager.step(xs, ys), captured.step(xs, ys)
-        same.append(
-            torch.equal(le, lc)
-            and all(torch.equal(a.grad, b.grad) for a, b in zip(_params(es), _params(cs)))
-        )
-    same.append(len(captured._captures) == 2)
-    return same
+        problems += [f"{rows} rows: {p}" for p in twin_step(eager, es, captured, cs, xs, ys)]
+    return {"problems": problems, "captures": len(captured._captures)}
 
 
 def test_recapture_keeps_one_plan_per_signature():
     for rank, res in enumerate(run_ranks(_recapture_case, 2)):
-        assert all(res), f"rank {rank}: {res}"
+        assert res["problems"] == [], f"rank {rank}"
+        assert res["captures"] == 2
 
 
 def test_plan_reuses_buffers_whose_lifetimes_do_not_overlap():
@@ -211,8 +195,8 @@ def _optimizer_case(rank: int, world: int) -> list[str]:
 
     es = local_stages(build_stages(2 * world), rank, world)
     cs = local_stages(build_stages(2 * world), rank, world)
-    opt_e = torch.optim.Adam(_params(es), lr=1e-2)
-    opt_c = torch.optim.Adam(_params(cs), lr=1e-2)
+    opt_e = torch.optim.Adam(params(es), lr=1e-2)
+    opt_c = torch.optim.Adam(params(cs), lr=1e-2)
     eager = graphpipe.DualPipeV(es, num_microbatches=4, loss_fn=mse)
     captured = graphpipe.DualPipeV(
         cs, num_microbatches=4, loss_fn=mse, capture=True, capture_optimizer=opt_c
@@ -227,7 +211,7 @@ def _optimizer_case(rank: int, world: int) -> list[str]:
         lc = captured.step(xs, ys)  # zeroes grads and steps opt_c itself
         if not torch.equal(le, lc):
             problems.append(f"step {step}: loss differs")
-        for i, (a, b) in enumerate(zip(_params(es), _params(cs))):
+        for i, (a, b) in enumerate(zip(params(es), params(cs))):
             if not torch.equal(a, b):
                 problems.append(f"step {step}: parameter {i} differs after the optimizer step")
     return problems
@@ -242,6 +226,6 @@ def test_capture_optimizer_without_capture_is_refused():
     import graphpipe
 
     stages = local_stages(build_stages(2), 0, 1)
-    opt = torch.optim.SGD(_params(stages), lr=0.1)
+    opt = torch.optim.SGD(params(stages), lr=0.1)
     with pytest.raises(ValueError, match="capture_optimizer needs capture"):
         graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=mse, capture_optimizer=opt)

@@ -9,16 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pipeline_models import batch, build_stages, local_stages, mse
+from tests.pipeline_models import batch, build_stages, local_stages, mse, params, twin_step
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-def _params(stages):
-    return [p for s in stages for p in s.parameters()]
 
 
 def _one_rank_case(granularity: str, dtype: torch.dtype, steps: int = 5) -> list[str]:
@@ -29,22 +25,14 @@ def _one_rank_case(granularity: str, dtype: torch.dtype, steps: int = 5) -> list
     cs = [s.to(dev) for s in local_stages(build_stages(2, 64, dtype=dtype), 0, 1)]
     eager = graphpipe.DualPipeV(es, num_microbatches=4, loss_fn=mse)
     captured = graphpipe.DualPipeV(cs, num_microbatches=4, loss_fn=mse, capture=granularity)
-    opt_e = torch.optim.SGD(_params(es), lr=0.05)
-    opt_c = torch.optim.SGD(_params(cs), lr=0.05)
+    opt_e = torch.optim.SGD(params(es), lr=0.05)
+    opt_c = torch.optim.SGD(params(cs), lr=0.05)
     problems = []
     for step in range(steps):
         x, y = batch(32, 64, seed=step, dtype=dtype)
-        x, y = x.to(dev), y.to(dev)
-        opt_e.zero_grad(set_to_none=False)
-        opt_c.zero_grad(set_to_none=False)
-        le = eager.step(x, y)
-        lc = captured.step(x, y).clone()
-        torch.cuda.synchronize()
-        if not torch.equal(le, lc):
-            problems.append(f"step {step}: loss {le.item()} vs {lc.item()}")
-        for i, (a, b) in enumerate(zip(_params(es), _params(cs))):
-            if not torch.equal(a.grad, b.grad):
-                problems.append(f"step {step}: grad {i} max diff {(a.grad - b.grad).abs().max()}")
+        problems += [
+            f"step {step}: {p}" for p in twin_step(eager, es, captured, cs, x.to(dev), y.to(dev))
+        ]
         opt_e.step()
         opt_c.step()
     captured.close()
@@ -93,17 +81,10 @@ def _two_rank_case(rank: int, world: int, granularity: str) -> list[str]:
     )
     problems = []
     for step in range(4):
-        x, y = (t.to(dev) for t in batch(16, 64, seed=step))
-        for s in es + cs:
-            s.zero_grad(set_to_none=False)
-        le = eager.step(x if rank == 0 else None, y if rank == 0 else None)
-        lc = captured.step(x if rank == 0 else None, y if rank == 0 else None).clone()
-        torch.cuda.synchronize()
-        if not torch.equal(le, lc):
-            problems.append(f"rank {rank} step {step}: loss {le.item()} vs {lc.item()}")
-        for i, (a, b) in enumerate(zip(_params(es), _params(cs))):
-            if not torch.equal(a.grad, b.grad):
-                problems.append(f"rank {rank} step {step}: grad {i} differs")
+        x, y = (t.to(dev) if rank == 0 else None for t in batch(16, 64, seed=step))
+        problems += [
+            f"rank {rank} step {step}: {p}" for p in twin_step(eager, es, captured, cs, x, y)
+        ]
     captured.close()
     return problems
 
@@ -124,8 +105,8 @@ def test_capture_optimizer_runs_capturable_adam_inside_the_graph(granularity):
     dev = torch.device("cuda")
     es = [s.to(dev) for s in local_stages(build_stages(2, 32, dtype=torch.float32), 0, 1)]
     cs = [s.to(dev) for s in local_stages(build_stages(2, 32, dtype=torch.float32), 0, 1)]
-    opt_e = torch.optim.Adam(_params(es), lr=1e-3, capturable=True)
-    opt_c = torch.optim.Adam(_params(cs), lr=1e-3, capturable=True)
+    opt_e = torch.optim.Adam(params(es), lr=1e-3, capturable=True)
+    opt_c = torch.optim.Adam(params(cs), lr=1e-3, capturable=True)
     eager = graphpipe.DualPipeV(es, num_microbatches=2, loss_fn=mse)
     captured = graphpipe.DualPipeV(
         cs, num_microbatches=2, loss_fn=mse, capture=granularity, capture_optimizer=opt_c
@@ -138,6 +119,6 @@ def test_capture_optimizer_runs_capturable_adam_inside_the_graph(granularity):
         lc = captured.step(x, y).clone()
         torch.cuda.synchronize()
         assert torch.equal(le, lc), f"step {step}"
-        for a, b in zip(_params(es), _params(cs)):
+        for a, b in zip(params(es), params(cs)):
             assert torch.equal(a, b), f"step {step}"
     captured.close()
