@@ -222,6 +222,9 @@ class DualPipeV:
         self._channel_tags: dict[Channel, int] = {}
         self._setup_channels(per_channel_groups)
         self._control = self._control_group() if n > 1 else None
+        # Handshakes travel over the gloo control group where the pipeline's backend is not
+        # gloo (NCCL), then the NCCL paths are warmed up: see _handshake_batch.
+        self._stage_handshake = n > 1 and dist.get_backend(self.group) != "gloo"
         lowered = lower(self.schedule, self.placement)
         self._train_program = self._compile(lowered[self.rank])
         self._form_packets(lowered, self._train_program)
@@ -409,7 +412,10 @@ class DualPipeV:
         self._prepare_seed(scaler)
         self._run(self._train_bound, handshake)
         self._check_drained()
-        return self._reduce_loss()
+        loss = self._reduce_loss()
+        if handshake and self._stage_handshake:
+            self._warm_channels()
+        return loss
 
     def _prepare_seed(self, scaler: Any) -> None:
         if self._losses is None:
@@ -763,62 +769,111 @@ class DualPipeV:
         for store in self.stores:
             store.clear()
 
-    def _message(self, spec: _CommSpec) -> Tensors:
-        if spec.kind == "F":
-            return tuple(t.detach().contiguous() for t in self._out[spec.li][spec.mb])
-        return self._gin[spec.li][spec.mb]
+    def _take_message(self, sp: _CommSpec) -> Tensors:
+        """What ``sp`` sends; a sent gradient (or, in inference, a sent output) is dropped."""
+        if sp.kind == "F":
+            msg = tuple(t.detach().contiguous() for t in self._out[sp.li][sp.mb])
+            if self._infer:
+                self._out[sp.li][sp.mb] = None
+            return msg
+        msg = self._gin[sp.li][sp.mb]
+        self._gin[sp.li][sp.mb] = None
+        return msg
 
     def _communicate(self, specs: tuple[_CommSpec, ...], handshake: bool) -> None:
-        """One batch: post every send and receive, then wait for all of them.
-
-        In a handshake step each message is preceded by its header; sends (header and payload)
-        are posted at once, receivers wait for their headers only, then post the payload
-        receives, so a handshake batch has the same dependencies as any other batch.
-        """
+        """One batch: post every send and receive, then wait for all of them."""
+        if handshake:
+            self._handshake_batch(specs)
+            return
         ops: list[dist.P2POp] = []
-        header_ops: list[dist.P2POp] = []
-        headers: list[tuple[_CommSpec, torch.Tensor]] = []
         metas = self._metas
-        isend, irecv, P2POp = dist.isend, dist.irecv, dist.P2POp
-        pack = not handshake and not self._infer
+        isend, P2POp = dist.isend, dist.P2POp
+        pack = not self._infer
         for sp in specs:
-            group = self._channel_groups[sp.channel]
             packet = sp.packet
             if pack and packet is not None and self._packable(packet):
                 if sp is packet.specs[0]:
                     ops.append(self._packet_op(packet))
                 continue
+            if not sp.is_send:
+                ops += self._post_recv(sp, metas[sp.channel])
+                continue
+            msg = self._take_message(sp)
+            check_message(
+                "activation" if sp.kind == "F" else "gradient", sp.channel, msg, metas[sp.channel]
+            )
+            group = self._channel_groups[sp.channel]
+            for t in msg:
+                ops.append(P2POp(isend, t, sp.peer, group, sp.tag))
+        wait_all(issue(ops))
+
+    def _handshake_batch(self, specs: tuple[_CommSpec, ...]) -> None:
+        """A batch of a handshake step: each message is preceded by a header with its metadata.
+
+        Sends (headers and payloads) are posted at once; receivers wait for their headers
+        only, then post the payload receives, so the batch has the dependencies of any other
+        batch. gloo posts each op on its own, which makes this safe. NCCL runs the groups of a
+        communicator one after another on its stream, and a batch's sends and receives must
+        share one group, which needs the metadata first: there the handshake travels over the
+        gloo control group through host memory (once per batch signature), and afterwards
+        ``_warm_channels`` initializes the NCCL paths.
+        """
+        staged = self._stage_handshake
+        ops: list[dist.P2POp] = []
+        header_ops: list[dist.P2POp] = []
+        headers: list[tuple[_CommSpec, torch.Tensor]] = []
+        isend, irecv, P2POp = dist.isend, dist.irecv, dist.P2POp
+        for sp in specs:
+            group = self._control if staged else self._channel_groups[sp.channel]
+            h = torch.empty(HEADER_LEN, dtype=torch.int64)
             if sp.is_send:
-                msg = self._message(sp)
-                if sp.kind == "B":
-                    self._gin[sp.li][sp.mb] = None
-                elif self._infer:
-                    self._out[sp.li][sp.mb] = None
-                what = "activation" if sp.kind == "F" else "gradient"
-                if handshake:
-                    metas[sp.channel] = tuple(TensorMeta.of(t) for t in msg)
-                    h = encode_header(msg, self._new_header())
-                    ops.append(P2POp(isend, h, sp.peer, group, sp.tag + HEADER_TAG_OFFSET))
-                else:
-                    check_message(what, sp.channel, msg, metas[sp.channel])
-                for t in msg:
-                    ops.append(P2POp(isend, t, sp.peer, group, sp.tag))
-            elif handshake:
-                h = self._new_header()
+                msg = self._take_message(sp)
+                self._metas[sp.channel] = tuple(TensorMeta.of(t) for t in msg)
+                if staged:
+                    msg = tuple(t.cpu() for t in msg)
+                ops.append(
+                    P2POp(isend, encode_header(msg, h), sp.peer, group, sp.tag + HEADER_TAG_OFFSET)
+                )
+                ops += [P2POp(isend, t, sp.peer, group, sp.tag) for t in msg]
+            else:
                 headers.append((sp, h))
                 header_ops.append(P2POp(irecv, h, sp.peer, group, sp.tag + HEADER_TAG_OFFSET))
-            else:
-                ops += self._post_recv(sp, metas[sp.channel])
         header_works = issue(header_ops)
         works = issue(ops)
-        if headers:
-            wait_all(header_works)
-            ops = []
-            for sp, h in headers:
-                metas[sp.channel] = decode_header(h.cpu(), self.device)
-                ops += self._post_recv(sp, metas[sp.channel])
-            works += issue(ops)
+        wait_all(header_works)
+        staging = []
+        ops = []
+        for sp, h in headers:
+            metas = self._metas[sp.channel] = decode_header(h, self.device)
+            if staged:
+                bufs = tuple(m.on(torch.device("cpu")).empty() for m in metas)
+                staging.append((sp, bufs))
+                ops += [P2POp(irecv, t, sp.peer, self._control, sp.tag) for t in bufs]
+            else:
+                ops += self._post_recv(sp, metas)
+        works += issue(ops)
         wait_all(works)
+        for sp, bufs in staging:
+            self._store_received(sp, tuple(t.to(self.device) for t in bufs))
+
+    def _warm_channels(self) -> None:
+        """One exchange on every channel of this rank, with the recorded metadata, in one batch.
+
+        After a handshake over the control group (NCCL): initializes the communicators on the
+        paths the steps use, before any capture. Every rank walks the channels in the same
+        order, so messages between two ranks pair up in order.
+        """
+        ops = []
+        for ch, group in self._channel_groups.items():
+            src, dst = (self._global[self.placement.rank_of(s)] for s in ch)
+            me = self._global[self.rank]
+            if me not in (src, dst) or ch not in self._metas:
+                continue
+            op, peer = (dist.isend, dst) if me == src else (dist.irecv, src)
+            for m in self._metas[ch]:
+                t = torch.zeros(m.shape, dtype=m.dtype, device=self.device)
+                ops.append(dist.P2POp(op, t, peer, group, self._channel_tags[ch]))
+        wait_all(issue(ops))
 
     def _packable(self, packet: _Packet) -> bool:
         """One dtype across the packet (both ends know the same metadata)."""
@@ -831,9 +886,7 @@ class DualPipeV:
         if packet.specs[0].is_send:
             parts = []
             for sp in packet.specs:
-                msg = self._message(sp)
-                if sp.kind == "B":
-                    self._gin[sp.li][sp.mb] = None
+                msg = self._take_message(sp)
                 what = "activation" if sp.kind == "F" else "gradient"
                 check_message(what, sp.channel, msg, self._metas[sp.channel])
                 parts += [t.reshape(-1) for t in msg]
@@ -848,22 +901,18 @@ class DualPipeV:
         views = iter(flat.split(numels))
         for sp, ms in zip(packet.specs, metas):
             # The messages are views of the flat buffer: no copy out after the wait.
-            mine = tuple(next(views).view(m.shape) for m in ms)
-            if sp.kind == "F":
-                self._in[sp.li][sp.mb] = mine
-            else:
-                self._gout[sp.li][sp.mb] = mine
+            self._store_received(sp, tuple(next(views).view(m.shape) for m in ms))
         return dist.P2POp(dist.irecv, flat, packet.peer, packet.group, _PACKET_TAG)
 
-    def _new_header(self) -> torch.Tensor:
-        return torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-
-    def _post_recv(self, sp: _CommSpec, metas: tuple[TensorMeta, ...]) -> list[dist.P2POp]:
-        bufs = sp.static if sp.static is not None else tuple(m.empty() for m in metas)
+    def _store_received(self, sp: _CommSpec, bufs: Tensors) -> None:
         if sp.kind == "F":
             self._in[sp.li][sp.mb] = bufs
         else:
             self._gout[sp.li][sp.mb] = bufs
+
+    def _post_recv(self, sp: _CommSpec, metas: tuple[TensorMeta, ...]) -> list[dist.P2POp]:
+        bufs = sp.static if sp.static is not None else tuple(m.empty() for m in metas)
+        self._store_received(sp, bufs)
         group = self._channel_groups[sp.channel]
         return [dist.P2POp(dist.irecv, t, sp.peer, group, sp.tag) for t in bufs]
 

@@ -24,6 +24,9 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
         loss_fn=mse,
         per_channel_groups=case.get("per_channel", False),
     )
+    # The NCCL way of the first step (handshake over the control group through host memory,
+    # then one warm-up exchange per channel), exercised here over gloo.
+    pipe._stage_handshake = case.get("staged", False)
     x, y = batch(case["rows"])
     losses = []
     for _ in range(case.get("steps", 1)):
@@ -77,10 +80,11 @@ CASES = {
         dict(m=5, rows=10, tuple_io=False, tied=True, steps=3),
         dict(m=7, rows=7, tuple_io=True, tied=False),
         dict(m=4, rows=8, tuple_io=True, tied=True, per_channel=True, steps=2),
+        dict(m=5, rows=10, tuple_io=True, tied=False, staged=True, steps=2),
     ],
     4: [
         dict(m=8, rows=16, tuple_io=False, tied=True, steps=2),
-        dict(m=9, rows=9, tuple_io=True, tied=False, per_channel=True),
+        dict(m=9, rows=9, tuple_io=True, tied=False, per_channel=True, staged=True),
     ],
 }
 
