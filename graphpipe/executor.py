@@ -682,6 +682,21 @@ class DualPipeV:
         cap = self._active or next(iter(self._captures.values()), None)
         return cap.record if cap is not None else None
 
+    def memory_report(self) -> str:
+        """Bytes per kind of the static plan (inputs, labels, P2P receive buffers and packets,
+        against one buffer per micro-batch) and of what the warmup step recorded for the
+        stored stage activations and gradients (held by autograd, or by the CUDA graph pool
+        when captured)."""
+        plan, record = self.plan, self.record
+        if plan is None or record is None:
+            raise RuntimeError("no plan yet: the memory report needs capture and one step")
+        stored = record.nbytes()
+        return (
+            plan.report()
+            + f"\nstored stage activations (recorded): {stored['activations']:,} bytes"
+            + f"\nstage input gradients (recorded): {stored['grads']:,} bytes"
+        )
+
     def _params(self) -> list[torch.nn.Parameter]:
         seen: dict[int, torch.nn.Parameter] = {}
         for m in self.modules:

@@ -180,3 +180,18 @@ def test_a_step_that_fails_inside_an_action_leaves_the_pipeline_usable(monkeypat
     for m in pipe.modules:
         m.zero_grad()
     assert torch.equal(pipe.step(x, y), ref)
+
+
+def test_the_memory_report_names_every_kind_after_the_warmup_step():
+    pipe = _pipe(3, capture=True)
+    with pytest.raises(RuntimeError, match="no plan yet"):
+        pipe.memory_report()
+    pipe.step(*batch(6))
+    report = pipe.memory_report()
+    for kind in ("inputs", "labels", "recv_activation", "recv_grad", "saving:"):
+        assert kind in report
+    # 2 stages x 3 micro-batches x (input [2, 8] + output [2, 8]) x 8 bytes (float64)
+    stored = pipe.record.nbytes()
+    assert stored["activations"] == 2 * 3 * 2 * (2 * 8) * 8
+    assert stored["grads"] == 3 * (2 * 8) * 8  # stage 1's input gradients (stage 0 has none)
+    assert f"{stored['activations']:,} bytes" in report
