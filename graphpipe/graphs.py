@@ -46,17 +46,20 @@ class CapturedGraphs:
         return out
 
     def replay(self, ranges: Ranges) -> None:
-        if len(self.graphs) == 1:
-            self.graphs[0].replay()
-            return
+        """Replay every graph in capture order: inside ``step``, and with more than one graph
+        each inside the range named after its action, so Nsight shows the schedule."""
+        depth = ranges.depth
         ranges.push("step")
         try:
+            if len(self.graphs) == 1:
+                self.graphs[0].replay()
+                return
             for name, g in zip(self.names, self.graphs):
                 ranges.push(name)
                 g.replay()
                 ranges.pop()
         finally:
-            ranges.pop()
+            ranges.unwind(depth)
 
     def reset(self) -> None:
         for g in self.graphs:
