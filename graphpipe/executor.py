@@ -558,8 +558,8 @@ class DualPipeV:
         if cap is None:
             if self._captures and not self.recapture:
                 raise ValueError(_mismatch(next(iter(self._captures)), sig))
-            # Warmup: an eager step that records the metadata of everything it touches.
-            self._activate(None)
+            # Warmup: an eager step (on fresh buffers) that records the metadata of everything
+            # it touches.
             self._recorder = StepRecord()
             try:
                 self._zero_grads()
