@@ -77,7 +77,7 @@ def _two_rank_case(rank: int, world: int, granularity: str) -> list[str]:
     cs = [s.to(dev) for s in local_stages(build_stages(4, 64), rank, world)]
     eager = graphpipe.DualPipeV(es, num_microbatches=4, loss_fn=mse)
     captured = graphpipe.DualPipeV(
-        cs, num_microbatches=4, loss_fn=mse, capture=granularity, per_channel_groups=True
+        cs, num_microbatches=4, loss_fn=mse, capture=granularity, per_edge_groups=True
     )
     problems = []
     for step in range(4):

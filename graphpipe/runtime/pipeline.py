@@ -1,0 +1,421 @@
+"""The public facade: ``Pipeline`` (any schedule) and ``DualPipeV`` (the default one).
+
+A ``Pipeline`` puts the parts together: the schedule and its placement (``schedules``), the
+lowered program of this rank (``lower`` + ``program``), the stage runner (``stage``), the
+communication engine (``comm``) on its process groups (``groups``), the batch agreement
+(``batch``) and the capture driver (``capture``). It owns the step loop, the loss buffers and
+the user-facing checks; everything else is delegated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphpipe.ir import Action, Op
+from graphpipe.lower import forward_only, lower, transfers
+from graphpipe.meta import StepRecord
+from graphpipe.nvtx import Ranges
+from graphpipe.plan import StaticPlan
+from graphpipe.schedules import resolve_schedule
+from graphpipe.simulate import Costs
+
+from .batch import BatchAgreement, split
+from .capture import CaptureDriver
+from .comm import CommEngine
+from .groups import PipelineGroups
+from .program import Program, compile_program
+from .stage import StageRunner
+
+__all__ = ["DualPipeV", "Pipeline"]
+
+_CAPTURE_MODES = {False: None, True: "step", "step": "step", "action": "action"}
+
+
+class Pipeline:
+    """Pipeline-parallel training of one rank's stages under any schedule, over
+    ``torch.distributed``.
+
+    Args:
+        stages: this rank's stage modules, in ascending stage order (for DualPipeV and ZB-V
+            ``(stage r, stage 2N-1-r)``; for 1F1B ``(stage r,)``).
+        schedule: ``"dualpipev"`` (default), ``"zbv"``, ``"1f1b"``, or a compute-only
+            schedule ``{rank: [Action, ...]}`` (``graphpipe.ir.load_csv`` reads torch's CSV);
+            its placement follows from which rank runs which stage.
+        num_microbatches: M; each batch is split on dim 0 into M equal parts.
+        loss_fn: ``loss_fn(output, labels) -> 0-dim tensor``, run after the last stage.
+        group: the pipeline process group (default: the world; none needed for one rank).
+        use_nvtx: emit NVTX ranges (default: when CUDA is available). Ranges also go to the
+            torch profiler whenever one records.
+        per_edge_groups: one process group per directed rank pair for P2P (default: on NCCL
+            only); all ranks must pass the same value.
+        capture: capture the training step. ``True`` or ``"step"``: on CUDA one graph per
+            rank per step; ``"action"``: one CUDA graph per compute action, replayed in its
+            range, the P2P between them. On CPU both run the static step (plan buffers
+            only). Step 1 runs eagerly and records metadata, step 2 captures, later steps
+            replay.
+        recapture: with capture, a batch of another shape or dtype captures a new graph for
+            that signature instead of raising ``ValueError``.
+        capture_optimizer: with capture, an optimizer over this rank's parameters whose step
+            runs inside the step (in the graph on CUDA; it must be ``capturable=True`` there).
+            Each step then zeroes the gradients in place first and steps the optimizer last.
+        costs: the expected action costs (``graphpipe.simulate.Costs``); the lowering times
+            the receives with them (each is posted just before its data is sent). Default:
+            F=1, B=2, I=1, W=1.
+
+    ``step(inputs, labels)`` runs one training step and returns on every rank the mean over
+    micro-batches of ``loss_fn`` (0-dim), accumulating into ``.grad`` the gradients of that
+    mean. ``inputs`` are needed on the rank that runs stage 0, ``labels`` on the one that runs
+    the last stage (both rank 0 for V schedules); other ranks pass ``None``.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        *,
+        schedule: str | Mapping[int, Sequence[Action]] = "dualpipev",
+        num_microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        use_nvtx: bool | None = None,
+        per_edge_groups: bool | None = None,
+        capture: bool | str = False,
+        recapture: bool = False,
+        capture_optimizer: torch.optim.Optimizer | None = None,
+        costs: Costs | None = None,
+    ) -> None:
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+            raise TypeError(
+                f"num_microbatches must be an int, got {type(num_microbatches).__name__} "
+                f"{num_microbatches!r}"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if capture not in _CAPTURE_MODES:
+            raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed and group is not None:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        self.group = group if group is not None or not distributed else dist.group.WORLD
+        self.rank = dist.get_rank(self.group) if distributed else 0
+        self.num_ranks = n = dist.get_world_size(self.group) if distributed else 1
+        self.num_microbatches = m = num_microbatches
+        self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
+        self.stage_ids = self.placement.stages_of(self.rank)
+        self._check_stages(stages)
+        self.modules = tuple(stages)
+        self.loss_fn = loss_fn
+        self.last_stage = self.placement.last_stage
+        self.input_rank = self.placement.rank_of(0)
+        self.loss_rank = self.placement.rank_of(self.last_stage)
+        self.is_input_rank = self.rank == self.input_rank
+        self.is_loss_rank = self.rank == self.loss_rank
+        self.ranges = Ranges(use_nvtx)
+        self.device = self._infer_device()
+        split_flags = [[False] * m for _ in self.stage_ids]
+        local = {s: i for i, s in enumerate(self.stage_ids)}
+        for cell in self.schedule[self.rank]:
+            for part in cell.parts():
+                if part.op is Op.I:
+                    split_flags[local[part.stage]][part.microbatch] = True
+        self.runner = StageRunner(
+            self.modules, self.stage_ids, self.last_stage, m, loss_fn, self.device, split_flags
+        )
+        self.stores = self.runner.stores
+        self.num_deferrable = self.runner.num_deferrable
+        durations = costs.of if costs is not None else None
+        latency = costs.p2p if costs is not None else 0.0
+        lowered = lower(self.schedule, self.placement, durations=durations, latency=latency)
+        train_transfers = transfers(lowered, self.placement)
+        infer_lowered = lower(forward_only(self.schedule), self.placement)
+        infer_transfers = transfers(infer_lowered, self.placement)
+        edges = {(t.src, t.dst) for t in train_transfers}
+        if distributed and n > 1:
+            groups = PipelineGroups.create(self.group, edges, per_edge_groups)
+        else:
+            groups = PipelineGroups({}, None, [dist.get_rank() if distributed else 0])
+        self._groups = groups
+        self._global = groups.global_ranks
+        backends = {dist.get_backend(g) for g in groups.p2p.values()}
+        self.engine = CommEngine(
+            self.runner,
+            self.rank,
+            groups.global_ranks,
+            groups.p2p,
+            groups.control,
+            self.device,
+            self.ranges,
+            staged=n > 1 and dist.get_backend(self.group) != "gloo",
+            packets=backends == {"gloo"},
+        )
+        self._train = compile_program(
+            lowered[self.rank], train_transfers, self.placement, self.rank, self.runner, self.engine
+        )
+        self._infer = compile_program(
+            infer_lowered[self.rank],
+            infer_transfers,
+            self.placement,
+            self.rank,
+            self.runner,
+            self.engine,
+        )
+        self._agreement = BatchAgreement(
+            groups.control, self.rank, n, self.input_rank, self.loss_rank, m
+        )
+        self._signature: tuple[int, ...] | None = None
+        self._infer_signature: tuple[int, ...] | None = None
+        self._infer_metas: dict = {}
+        self._loss_dtype = self._own_loss_dtype()
+        self._losses_dtype: torch.dtype | None = None
+        if capture_optimizer is not None:
+            if capture is False:
+                raise ValueError("capture_optimizer needs capture=True, 'step' or 'action'")
+            if self.device.type == "cuda" and capture_optimizer.defaults.get("capturable") is False:
+                raise ValueError(
+                    f"capture_optimizer {type(capture_optimizer).__name__} must be created with "
+                    "capturable=True to run inside a CUDA graph"
+                )
+        self.optimizer = capture_optimizer
+        self.capture = _CAPTURE_MODES[capture]
+        self._capture = CaptureDriver(self, self.capture or "step", recapture)
+
+    # ------------------------------------------------------------------ setup
+    def _check_stages(self, stages: Sequence[nn.Module]) -> None:
+        want = len(self.stage_ids)
+        if (
+            isinstance(stages, nn.Module)
+            or len(stages) != want
+            or not all(isinstance(s, nn.Module) for s in stages)
+        ):
+            got = (
+                [type(s).__name__ for s in stages]
+                if not isinstance(stages, nn.Module)
+                else [type(stages).__name__]
+            )
+            raise ValueError(
+                f"rank {self.rank} runs stages {list(self.stage_ids)} of the "
+                f"{self.schedule_name} schedule: stages must be {want} nn.Modules in that "
+                f"order, got {got}"
+            )
+
+    def _infer_device(self) -> torch.device:
+        for mod in self.modules:
+            for p in mod.parameters():
+                return p.device
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _own_loss_dtype(self) -> torch.dtype:
+        """The loss rank's choice, from its parameters (the other ranks learn it in the batch
+        agreement, whatever their own parameters are)."""
+        for mod in self.modules:
+            for p in mod.parameters():
+                if p.is_floating_point():
+                    return torch.promote_types(p.dtype, torch.float32)
+        return torch.float32
+
+    # ------------------------------------------------------------------ steps
+    def step(self, inputs: Any, labels: Any, *, scaler: Any = None) -> torch.Tensor:
+        """Run one training step; returns the mean loss (0-dim) on every rank.
+
+        ``inputs``: on the rank running stage 0, ``labels``: on the rank running the last
+        stage (a tensor or tuple of tensors, split on dim 0); ``None`` elsewhere. ``scaler``:
+        an optional ``torch.amp.GradScaler``; the backward seed is scaled by it (call
+        ``unscale_`` before ``scaler.step``).
+
+        With ``capture``, the returned loss of a replayed step is the static loss tensor: it
+        aliases graph memory and is overwritten by the next step (clone it to keep it).
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
+        sig, loss_dtype = self._agreement.agree(inputs, labels, True, self._loss_dtype)
+        self._ensure_losses(loss_dtype)
+        if self.capture:
+            if scaler is not None:
+                raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
+            return self._capture.step(sig, inputs, labels)
+        return self._eager_step(sig, inputs, labels, scaler).clone()
+
+    def _eager_step(self, sig: tuple[int, ...], inputs: Any, labels: Any, scaler: Any) -> Any:
+        handshake = sig != self._signature
+        self._signature = sig
+        self._capture.activate(None)
+        runner = self.runner
+        runner.infer = False
+        m, dev = self.num_microbatches, self.device
+        runner.begin(
+            split(inputs, m, dev) if self.is_input_rank else [],
+            split(labels, m, dev, isinstance(labels, torch.Tensor)) if self.is_loss_rank else [],
+        )
+        self._prepare_seed(scaler)
+        self._run(self._train, handshake)
+        loss = self._reduce_loss()
+        if handshake and self.engine.staged:
+            self.engine.warm()
+        return loss
+
+    def _run(self, program: Program, handshake: bool) -> None:
+        ranges, engine = self.ranges, self.engine
+        depth = ranges.depth
+        ranges.push("step")
+        engine.begin(handshake)
+        try:
+            for posts, waits, fn, args, name in program.instrs:
+                for post in posts:
+                    post()
+                for wait in waits:
+                    wait()
+                if fn is not None:
+                    ranges.push(name)
+                    fn(*args)
+                    ranges.pop()
+            engine.finish()
+            self._check_drained()
+        except BaseException:
+            self.runner.drop_state()
+            engine.abandon()
+            raise
+        finally:
+            ranges.unwind(depth)
+
+    def _check_drained(self) -> None:
+        left = self.runner.pending_weight_work()
+        if left:
+            for store in self.runner.stores:
+                store.clear()
+            raise RuntimeError(
+                f"the step ended with deferred weight-gradient work for {left}; the schedule "
+                "is missing W actions"
+            )
+
+    def _ensure_losses(self, dtype: torch.dtype) -> None:
+        if self._losses_dtype == dtype:
+            return
+        if self._capture.captures:
+            raise ValueError(f"the loss dtype changed to {dtype} after capture")
+        self._losses_dtype = dtype
+        runner = self.runner
+        runner.losses = torch.zeros(self.num_microbatches, dtype=dtype, device=self.device)
+        runner.seed = torch.zeros((), dtype=dtype, device=self.device)
+        self._loss_out = torch.zeros((), dtype=dtype, device=self.device)
+
+    def _prepare_seed(self, scaler: Any) -> None:
+        runner = self.runner
+        if self.is_loss_rank:
+            runner.seed.fill_(1.0 / self.num_microbatches)
+            runner.backward_seed = scaler.scale(runner.seed) if scaler is not None else runner.seed
+        elif scaler is not None:
+            scaler.scale(torch.zeros((), device=self.device))  # initializes its scale here too
+
+    def _reduce_loss(self) -> torch.Tensor:
+        """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
+        if self.is_loss_rank:
+            torch.mean(self.runner.losses, dim=0, out=self._loss_out)
+        if self.num_ranks > 1:
+            dist.broadcast(self._loss_out, src=self._global[self.loss_rank], group=self.group)
+        return self._loss_out
+
+    @torch.no_grad()
+    def forward(self, inputs: Any) -> Any:
+        """Forward only (no autograd state kept): the concatenated outputs on the rank that
+        runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline."""
+        sig, _ = self._agreement.agree(inputs, None, False, self._loss_dtype)
+        handshake = sig != self._infer_signature
+        self._infer_signature = sig
+        engine, runner = self.engine, self.runner
+        saved = engine.metas, runner.mb_inputs, runner.mb_labels
+        runner.begin(
+            split(inputs, self.num_microbatches, self.device) if self.is_input_rank else [], []
+        )
+        engine.metas = self._infer_metas
+        runner.infer = True
+        try:
+            self._run(self._infer, handshake)
+        finally:
+            runner.infer = False
+            engine.metas = saved[0]
+            runner.begin(saved[1], saved[2])
+        if not self.is_loss_rank:
+            return None
+        outs = [as_tuple_out(o) for o in runner.infer_outputs]
+        runner.infer_outputs = [None] * self.num_microbatches
+        cat = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+        return cat[0] if len(cat) == 1 else cat
+
+    def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """``scaler.unscale_(optimizer)`` plus agreement on inf/NaN across the pipeline ranks.
+
+        Every rank must skip (or take) the optimizer step together; call this, then
+        ``scaler.step(optimizer)`` and ``scaler.update()`` on every rank.
+        """
+        scaler.unscale_(optimizer)
+        if self.num_ranks > 1:
+            state = scaler._per_optimizer_states[id(optimizer)]
+            for t in state["found_inf_per_device"].values():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    # ---------------------------------------------------------------- capture
+    def _zero_grads(self) -> None:
+        """With ``capture_optimizer``: gradients are zeroed in place at the start of a step."""
+        if self.optimizer is not None:
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def _barrier(self) -> None:
+        if self.num_ranks > 1:
+            dist.barrier(group=self.group)
+
+    def _params(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for mod in self.modules:
+            for p in mod.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _split(self, part: Any, unwrap: bool = False) -> list[Any]:
+        return split(part, self.num_microbatches, self.device, unwrap)
+
+    def close(self) -> None:
+        """Destroy captured graphs and plans; call before destroying the process group."""
+        self._capture.close()
+
+    @property
+    def plan(self) -> StaticPlan | None:
+        """The static plan of the active capture (None before the warmup step)."""
+        return self._capture.plan
+
+    @property
+    def record(self) -> StepRecord | None:
+        """The metadata the warmup step recorded (None before it)."""
+        return self._capture.record
+
+    def memory_report(self) -> str:
+        """Bytes per kind of the static plan (inputs, labels, P2P receive buffers and packets,
+        against one buffer per micro-batch) and of what the warmup step recorded for the
+        stored stage activations and gradients (held by autograd, or by the CUDA graph pool
+        when captured)."""
+        return self._capture.memory_report()
+
+
+def as_tuple_out(o: Any) -> tuple:
+    return o if isinstance(o, tuple) else (o,)
+
+
+class DualPipeV(Pipeline):
+    """DeepSeek's DualPipeV: ``Pipeline(stages, schedule="dualpipev", ...)``.
+
+    ``stages`` are this rank's two modules, ``(stage r, stage 2N-1-r)``; ``M >= 2N``. See
+    ``Pipeline`` for the other arguments.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], **kwargs: Any) -> None:
+        if "schedule" in kwargs:
+            raise TypeError("DualPipeV runs the dualpipev schedule; use Pipeline for others")
+        super().__init__(stages, schedule="dualpipev", **kwargs)
