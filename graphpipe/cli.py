@@ -106,7 +106,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if args.out:  # first, so that a picture that cannot be written leaves stdout empty
         title = f"{kind.name}: {args.ranks} ranks, {args.microbatches} micro-batches ({costs})"
         try:
-            path = write_picture(args.out, result, title=title, num_ranks=args.ranks)
+            path = write_picture(args.out, result, costs=costs, title=title, num_ranks=args.ranks)
         except (RuntimeError, ValueError, OSError) as e:
             args.parser.error(str(e))
         print(f"wrote {path}", file=sys.stderr)
