@@ -221,6 +221,7 @@ _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.Argument
     "schedule": _add_schedule_parser,
     "train": lambda sub: _lazy("train").add_parser(sub),
     "bench": lambda sub: _lazy("bench").add_parser(sub),
+    "profile": lambda sub: _lazy("profile").add_parser(sub),
 }
 
 

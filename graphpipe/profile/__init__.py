@@ -13,10 +13,15 @@ Modules, one concern each:
 * ``nsys``: an nsys SQLite export -> ranges per process, and processes -> ranks;
 * ``analysis``: ranges -> per-rank step, busy, idle, bubble, communication wait, and the
   simulator's prediction from the measured action costs;
-* ``report``: ``report.json``, ``timeline.svg`` and the terminal table.
+* ``report``: ``report.json``, ``timeline.svg`` and the terminal table;
+* ``command``: the ``graphpipe profile`` command (runs the built-in model under
+  torch.profiler on every rank, or reads ``--from-nsys``).
 """
 
 from __future__ import annotations
+
+import argparse
+from typing import Any
 
 from .analysis import Analysis, StepFigures, analyse, step_figures
 from .chrome import load_chrome_traces
@@ -30,6 +35,7 @@ __all__ = [
     "Kind",
     "Range",
     "StepFigures",
+    "add_parser",
     "analyse",
     "assign_ranks",
     "kind_of",
@@ -37,3 +43,10 @@ __all__ = [
     "load_nsys",
     "step_figures",
 ]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``graphpipe profile`` (see ``command``)."""
+    from .command import add_parser as add
+
+    return add(sub)
