@@ -118,7 +118,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if args.out:  # first, so that a picture that cannot be written leaves stdout empty
         title = f"{kind.name}: {args.ranks} ranks, {args.microbatches} micro-batches ({costs})"
         try:
-            path = write_picture(args.out, result, title=title, num_ranks=args.ranks)
+            path = write_picture(args.out, result, costs=costs, title=title, num_ranks=args.ranks)
         except (RuntimeError, ValueError, OSError) as e:
             args.parser.error(str(e))
         print(f"wrote {path}", file=sys.stderr)
@@ -235,6 +235,7 @@ _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.Argument
     "schedule": _add_schedule_parser,
     "train": lambda sub: _lazy("train").add_parser(sub),
     "bench": lambda sub: _lazy("bench").add_parser(sub),
+    "profile": lambda sub: _lazy("profile").add_parser(sub),
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["add_parser", "run"]
+__all__ = ["RankRun", "add_model_options", "add_parser", "build_rank", "run"]
 
 
 class Progress:
@@ -50,6 +50,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "Data: the Python standard library's own source files, or --data FILE."
         ),
     )
+    add_model_options(p)
+    p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    p.add_argument("--metrics", default=None, help="write per-step metrics here (JSON lines)")
+    p.set_defaults(func=run)
+    return p
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model, data and pipeline options that ``train`` shares with ``profile``."""
     p.add_argument(
         "--ranks",
         type=int,
@@ -64,12 +73,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
     p.add_argument("--data", default=None, help="a text file to train on (default: stdlib)")
-    p.add_argument("--metrics", default=None, help="write per-step metrics here (JSON lines)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -86,8 +98,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
     )
-    p.set_defaults(func=run)
-    return p
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -121,7 +131,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+class RankRun:
+    """One rank's training state (pipeline, AdamW, rank 0's batches) and its step, as
+    ``graphpipe train`` runs it; ``graphpipe profile`` runs the same."""
+
+    def __init__(
+        self, pipe: Any, opt: torch.optim.Optimizer, batches: Any, opts: dict, device: torch.device
+    ) -> None:
+        self.pipe, self.opt, self.batches, self.device = pipe, opt, batches, device
+        self.capture = False if opts["capture"] == "none" else opts["capture"]
+        self.autocast = opts["dtype"] == "bfloat16"
+
+    def next_batch(self) -> tuple[Any, Any]:
+        """The next ``(inputs, labels)`` on rank 0, ``(None, None)`` elsewhere."""
+        return next(self.batches) if self.batches is not None else (None, None)
+
+    def step(self, x: Any, y: Any) -> torch.Tensor:
+        """One training step: zero the gradients, ``pipe.step``, ``opt.step``; the loss."""
+        # A captured step accumulates into static .grad tensors: zero them in place.
+        self.opt.zero_grad(set_to_none=self.capture is False)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.pipe.step(x, y)
+        self.opt.step()
+        return loss
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+def build_rank(
+    rank: int, world: int, device: torch.device, opts: dict, prog: str = "graphpipe train"
+) -> RankRun:
+    """This rank's stages of the built-in model, its pipeline and optimizer, from the
+    options of ``add_model_options``; rank 0 prints one line about the run as ``prog``."""
     from . import DualPipeV
     from .data import ByteBatches, load_text_bytes
     from .models import LlamaConfig, LlamaLoss, build_stages, num_parameters, unique_parameters
@@ -148,26 +190,26 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
         data = load_text_bytes(opts["data"])
         batches = iter(ByteBatches(data, opts["batch_size"], opts["seq_len"], seed=opts["seed"]))
         print(
-            f"graphpipe train: {world} ranks x 2 stages, {opts['microbatches']} micro-batches, "
+            f"{prog}: {world} ranks x 2 stages, {opts['microbatches']} micro-batches, "
             f"{num_parameters(stages):,} parameters, {len(data):,} bytes of "
             f"{opts['data'] or 'Python stdlib source'}, device {device.type}",
             file=sys.stderr,
             flush=True,
         )
-    autocast = opts["dtype"] == "bfloat16"
+    return RankRun(pipe, opt, batches, opts, device)
+
+
+def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    run = build_rank(rank, world, device, opts)
     tokens = opts["batch_size"] * opts["seq_len"]
     progress = Progress(opts["steps"]) if rank == 0 else None
     out = open(opts["metrics"], "w") if rank == 0 and opts["metrics"] else None
     first = last = None
     try:
         for step in range(1, opts["steps"] + 1):
-            x, y = next(batches) if batches is not None else (None, None)
+            x, y = run.next_batch()
             t0 = time.perf_counter()
-            # A captured step accumulates into static .grad tensors: zero them in place.
-            opt.zero_grad(set_to_none=capture is False)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = pipe.step(x, y)
-            opt.step()
+            loss = run.step(x, y)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -183,7 +225,7 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
     finally:
-        pipe.close()
+        run.close()
         if out is not None:
             out.close()
     if rank == 0:

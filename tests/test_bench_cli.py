@@ -122,6 +122,8 @@ def test_report_and_plot(result: tuple[dict, Path, str]) -> None:
     text = svg.read_text()
     assert text.startswith("<svg") and text.rstrip().endswith("</svg>")
     assert "measured" in text and "simulated" in text and "rank 1" in text
+    # one time axis per regime, shared by its measured and simulated timelines
+    assert text.count(">time (ms)</text>") == len(data["regimes"])
 
 
 def test_bad_arguments_exit_with_a_message() -> None:

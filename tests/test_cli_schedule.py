@@ -111,6 +111,25 @@ def test_out_writes_a_valid_svg(capsys, tmp_path) -> None:
     assert len(list(root.iter("{http://www.w3.org/2000/svg}rect"))) > cells
 
 
+def test_out_splits_overlapped_pairs_by_the_given_costs(capsys, tmp_path) -> None:
+    picture = tmp_path / "p.svg"
+    code, _, _ = _run(
+        capsys, "--ranks", "2", "--microbatches", "4", "--costs", "F=1,B=3", "--out", str(picture)
+    )
+    assert code == 0
+    svg = "{http://www.w3.org/2000/svg}"
+    rects = list(ET.fromstring(picture.read_text()).iter(f"{svg}rect"))
+    outlines = [r for r in rects if r.get("fill") == "none" and r.get("stroke-width") == "1.6"]
+    boxes = {
+        (r.get("x"), r.get("y")): r
+        for r in rects
+        if r.get("height") == "28.00" and r.get("fill") != "none"
+    }
+    pair = next(o for o in outlines if o.get("height") == "28.00")
+    f_part = boxes[(pair.get("x"), pair.get("y"))]
+    assert float(f_part.get("width")) == pytest.approx(float(pair.get("width")) / 4, abs=0.02)
+
+
 def test_png_without_matplotlib_names_svg_as_the_alternative(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(SystemExit) as info:
