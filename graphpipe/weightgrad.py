@@ -18,8 +18,9 @@ worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ class WeightGradStore:
     __slots__ = ("_key", "_pending", "split")
 
     def __init__(self) -> None:
-        self._pending: dict[Hashable, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = {}
+        self._pending: dict[Hashable, list[tuple[Callable[..., None], tuple]]] = {}
         self._key: Hashable | None = None
         # Whether forwards run now may have their backward split into I + W. The executor
         # clears it for micro-batches whose backward is a full B, which then use plain
@@ -53,10 +54,13 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def _stash(self, module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    def defer(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Inside an ``I`` action: stash ``fn(*args)`` (weight-gradient work that accumulates
+        into ``.grad``) for its ``W`` and return True. Elsewhere return False: the caller runs
+        the work now. The hook for custom layers (see ``make_deferrable``)."""
         if self._key is None:
             return False
-        self._pending[self._key].append((module, x, grad_out))
+        self._pending[self._key].append((fn, args))
         return True
 
     def run(self, key: Hashable) -> int:
@@ -71,8 +75,8 @@ class WeightGradStore:
         # stage), and grad_out^T @ x would then build a graph into .grad, keeping the
         # micro-batch's activations alive and leaving .grad with requires_grad=True.
         with torch.no_grad():
-            for module, x, g in work:
-                _accumulate_weight_grad(module, x, g)
+            for fn, args in work:
+                fn(*args)
         return len(work)
 
     def pending(self) -> list[Hashable]:
@@ -123,7 +127,7 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        if not need_w or ctx.store._stash(ctx.module, x, g):
+        if not need_w or ctx.store.defer(_accumulate_weight_grad, ctx.module, x, g):
             return gx, None, None, None, None
         gw, gb = _weight_grads(x, g, ctx.needs_input_grad[2])
         return gx, gw if ctx.needs_input_grad[1] else None, gb, None, None
@@ -155,10 +159,14 @@ class DeferrableLinear(nn.Linear):
 
 
 def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
-    """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``.
+    """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``,
+    and hand ``store`` to every submodule with a ``bind_weight_grad_store(store)`` method.
 
-    Subclasses of ``nn.Linear`` are left alone (their forward may differ). Returns the number
-    of Linear layers now deferrable.
+    Subclasses of ``nn.Linear`` are left alone (their forward may differ). A custom layer
+    defers its weight-gradient work by binding the store and, in its backward, calling
+    ``store.defer(fn, *args)`` (which stashes ``fn(*args)`` for the ``W`` action and returns
+    True during an ``I``, and returns False otherwise: then it runs the work at once).
+    Returns the number of layers now deferrable.
     """
     count = 0
     for m in module.modules():
@@ -166,5 +174,8 @@ def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
             m.__class__ = DeferrableLinear
         if type(m) is DeferrableLinear:
             m.__dict__["_wgrad_store"] = store
+            count += 1
+        elif callable(bind := getattr(m, "bind_weight_grad_store", None)):
+            bind(store)
             count += 1
     return count

@@ -24,7 +24,24 @@ from torch import nn
 
 from graphpipe.simulate import Costs, dataflow
 
-__all__ = ["SleepStage", "synthetic_rank", "synthetic_row"]
+__all__ = ["SYNTHETIC_COSTS", "SleepStage", "synthetic_main", "synthetic_rank", "synthetic_row"]
+
+SYNTHETIC_COSTS = Costs(F=10, B=20, I=10, W=10, FB=25)
+"""Milliseconds: DualPipe's shape (B = 2F, I = W = F) with an overlapped pair 5/6 of F + B."""
+
+
+_SPIN_S = 0.0003  # the last 0.3 ms of a sleep is a busy wait (see _sleep)
+
+
+def _sleep(ms: float) -> None:
+    """Sleep ``ms`` milliseconds, precisely: ``time.sleep`` overshoots by 2-3% per call on a
+    busy 2-core machine (0.3 ms per 10 ms measured here), which would be charged to the
+    runtime; the last 0.3 ms is spent spinning on the clock instead."""
+    deadline = time.perf_counter() + ms / 1e3
+    if ms / 1e3 > _SPIN_S:
+        time.sleep(ms / 1e3 - _SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
 
 
 class _SleepFn(torch.autograd.Function):
@@ -32,16 +49,16 @@ class _SleepFn(torch.autograd.Function):
     def forward(ctx, x, weight, stage):  # type: ignore[override]
         ctx.stage = stage
         if not stage.in_pair:
-            time.sleep(stage.ms.F / 1e3)
+            _sleep(stage.ms.F)
         return x + weight
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         stage: SleepStage = ctx.stage
         if stage.store is not None and stage.store.defer(stage.deferred_weight_grad, g):
-            time.sleep(stage.ms.I / 1e3)
+            _sleep(stage.ms.I)
             return g, None, None
-        time.sleep((stage.ms.overlap if stage.in_pair else stage.ms.B) / 1e3)
+        _sleep(stage.ms.overlap if stage.in_pair else stage.ms.B)
         return g, g.sum().reshape(1), None
 
 
@@ -61,7 +78,7 @@ class SleepStage(nn.Module):
 
     def deferred_weight_grad(self, g: torch.Tensor) -> None:
         """The W of one I: sleeps W and accumulates the weight's gradient."""
-        time.sleep(self.ms.W / 1e3)
+        _sleep(self.ms.W)
         grad = g.sum().reshape(1)
         self.weight.grad = grad if self.weight.grad is None else self.weight.grad + grad
 
@@ -151,3 +168,50 @@ def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> l
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).sum()
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The rows as a table, milliseconds."""
+    lines = [
+        f"{'schedule':<10} {'ranks':>5} {'M':>3} {'measured':>10} {'ideal':>10} {'ratio':>6} "
+        f"{'max idle':>9} {'ideal idle':>10}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['schedule']:<10} {r['ranks']:>5} {r['microbatches']:>3} "
+            f"{r['measured_step_s'] * 1e3:>10.1f} {r['ideal_step_s'] * 1e3:>10.1f} "
+            f"{r['measured_over_ideal']:>6.3f} {r['measured_max_idle_s'] * 1e3:>9.1f} "
+            f"{r['ideal_max_idle_s'] * 1e3:>10.1f}"
+        )
+    return "\n".join(lines)
+
+
+def synthetic_main(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    """``graphpipe bench --regime synthetic`` on one rank: rank 0 prints and writes JSON."""
+    import json
+    import sys
+    from pathlib import Path
+
+    rows = synthetic_rank(rank, world, device, opts)
+    if rank != 0:
+        return
+    ms: Costs = opts["costs"]
+    print(
+        f"synthetic stages (milliseconds: {ms}), {world} ranks, median of {opts['steps']} "
+        "steps (the slowest rank's wall time per step)",
+        file=sys.stderr,
+    )
+    print(format_rows(rows), flush=True)
+    if opts.get("json"):
+        result = {
+            "config": {
+                "ranks": world,
+                "costs_ms": _asdict(ms),
+                "steps": opts["steps"],
+                "warmup": opts["warmup"],
+                "command": opts.get("command_line"),
+            },
+            "synthetic": rows,
+        }
+        Path(opts["json"]).write_text(json.dumps(result, indent=2))
+        print(f"graphpipe bench: wrote {opts['json']}", file=sys.stderr)
