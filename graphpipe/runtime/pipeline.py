@@ -9,7 +9,9 @@ the user-facing checks; everything else is delegated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from graphpipe.simulate import Costs
 from .batch import BatchAgreement, split
 from .capture import CaptureDriver
 from .comm import CommEngine
+from .faults import CommFailure, FaultNotices, Faults
 from .groups import PipelineGroups
 from .program import Program, compile_program
 from .stage import StageRunner
@@ -66,6 +69,13 @@ class Pipeline:
         costs: the expected action costs (``graphpipe.simulate.Costs``); the lowering times
             the receives with them (each is posted just before its data is sent). Default:
             F=1, B=2, I=1, W=1.
+        timeout: seconds (or a ``timedelta``) a rank waits for a silent peer before it raises
+            ``PipelineError`` naming it (a failing or killed peer is reported at once).
+
+    A failure on any rank ends the call on every rank: the failing rank raises its own
+    exception (with a note naming the action), the others ``graphpipe.PipelineError`` naming
+    the failing rank, its action and its error; the next call works again (or, when a peer is
+    gone, raises ``PipelineClosed``). Gradients may then hold partial sums: zero them.
 
     ``step(inputs, labels)`` runs one training step and returns on every rank the mean over
     micro-batches of ``loss_fn`` (0-dim), accumulating into ``.grad`` the gradients of that
@@ -87,6 +97,7 @@ class Pipeline:
         recapture: bool = False,
         capture_optimizer: torch.optim.Optimizer | None = None,
         costs: Costs | None = None,
+        timeout: float | datetime.timedelta = 300.0,
     ) -> None:
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
             raise TypeError(
@@ -134,24 +145,18 @@ class Pipeline:
         infer_lowered = lower(forward_only(self.schedule), self.placement)
         infer_transfers = transfers(infer_lowered, self.placement)
         edges = {(t.src, t.dst) for t in train_transfers}
-        if distributed and n > 1:
-            groups = PipelineGroups.create(self.group, edges, per_edge_groups)
-        else:
-            groups = PipelineGroups({}, None, [dist.get_rank() if distributed else 0])
-        self._groups = groups
-        self._global = groups.global_ranks
-        backends = {dist.get_backend(g) for g in groups.p2p.values()}
-        self.engine = CommEngine(
-            self.runner,
-            self.rank,
-            groups.global_ranks,
-            groups.p2p,
-            groups.control,
-            self.device,
-            self.ranges,
-            staged=n > 1 and dist.get_backend(self.group) != "gloo",
-            packets=backends == {"gloo"},
+        groups = PipelineGroups(
+            self.group if distributed else None,
+            edges,
+            per_edge_groups,
+            datetime.timedelta(seconds=_seconds(timeout)),
         )
+        self.groups = groups
+        self._global = groups.global_ranks
+        self.engine = CommEngine(
+            self.runner, self.rank, groups, self.device, self.ranges, staged=groups.nccl and n > 1
+        )
+        self._faults = Faults(FaultNotices(groups.store, groups.key, self.rank), groups, self.rank)
         self._train = compile_program(
             lowered[self.rank], train_transfers, self.placement, self.rank, self.runner, self.engine
         )
@@ -164,7 +169,7 @@ class Pipeline:
             self.engine,
         )
         self._agreement = BatchAgreement(
-            groups.control, self.rank, n, self.input_rank, self.loss_rank, m
+            groups, self.rank, n, self.input_rank, self.loss_rank, m, _float_dtype(self.modules[0])
         )
         self._signature: tuple[int, ...] | None = None
         self._infer_signature: tuple[int, ...] | None = None
@@ -233,13 +238,46 @@ class Pipeline:
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
-        sig, loss_dtype = self._agreement.agree(inputs, labels, True, self._loss_dtype)
-        self._ensure_losses(loss_dtype)
-        if self.capture:
-            if scaler is not None:
-                raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
-            return self._capture.step(sig, inputs, labels)
-        return self._eager_step(sig, inputs, labels, scaler).clone()
+        if self.capture and scaler is not None:
+            raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
+        sig, loss_dtype = self._agree(inputs, labels, True)
+        with self._guard():
+            self._ensure_losses(loss_dtype)
+            if self.capture:
+                return self._capture.step(sig, inputs, labels)
+            return self._eager_step(sig, inputs, labels, scaler).clone()
+
+    def _agree(self, inputs: Any, labels: Any, train: bool) -> tuple[tuple[int, ...], Any]:
+        """Start a call and agree on its batch (a rejected batch raises on every rank)."""
+        faults = self._faults
+        faults.begin()
+        faults.action = "batch agreement"
+        try:
+            return self._agreement.agree(
+                inputs, labels, train, self._loss_dtype, faults.call, self.device.type
+            )
+        except CommFailure as f:
+            raise faults.consequence(f) from f
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Failures inside a call: reset this rank's step state and tell every rank."""
+        try:
+            yield
+        except CommFailure as f:
+            self._reset()
+            raise self._faults.consequence(f) from f
+        except BaseException as e:
+            self._reset()
+            self._faults.original(e)
+            raise
+
+    def _reset(self) -> None:
+        """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
+        self.runner.drop_state()
+        self.engine.abandon()
+        self._signature = self._infer_signature = None
+        self._capture.activate(None)
 
     def _eager_step(self, sig: tuple[int, ...], inputs: Any, labels: Any, scaler: Any) -> Any:
         handshake = sig != self._signature
@@ -255,6 +293,8 @@ class Pipeline:
         self._prepare_seed(scaler)
         self._run(self._train, handshake)
         loss = self._reduce_loss()
+        if self.groups.nccl and self.num_ranks > 1:  # the loss went on the device: agree here
+            self._on_control("end of step", lambda g: g.allreduce([torch.zeros(1)]))
         if handshake and self.engine.staged:
             self.engine.warm()
         return loss
@@ -264,21 +304,26 @@ class Pipeline:
         depth = ranges.depth
         ranges.push("step")
         engine.begin(handshake)
+        name, comm = "", None
         try:
             for posts, waits, fn, args, name in program.instrs:
-                for post in posts:
-                    post()
-                for wait in waits:
-                    wait()
+                for comm in posts:
+                    comm()
+                for comm in waits:
+                    comm()
+                comm = None
                 if fn is not None:
                     ranges.push(name)
                     fn(*args)
                     ranges.pop()
+            name = "wait sends"
             engine.finish()
             self._check_drained()
         except BaseException:
-            self.runner.drop_state()
-            engine.abandon()
+            # What this rank was doing: an action, or posting / waiting for a transfer.
+            if comm is not None:
+                name = f"{comm.__name__} {comm.__self__.name}"
+            self._faults.action = name or "the end of the step"
             raise
         finally:
             ranges.unwind(depth)
@@ -316,15 +361,34 @@ class Pipeline:
         """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
         if self.is_loss_rank:
             torch.mean(self.runner.losses, dim=0, out=self._loss_out)
-        if self.num_ranks > 1:
+        if self.num_ranks == 1:
+            return self._loss_out
+        if self.device.type == "cuda":  # on device: it runs inside captured graphs
             dist.broadcast(self._loss_out, src=self._global[self.loss_rank], group=self.group)
+            return self._loss_out
+        self._on_control("loss", lambda g: g.broadcast(self._loss_out, self.loss_rank))
         return self._loss_out
+
+    def _on_control(self, what: str, op: Callable[[Any], Any]) -> None:
+        """Run collective ``op(control group)`` and wait; a failure is a ``CommFailure``."""
+        self._faults.action = what
+        control = self.groups.control
+        try:
+            if control is None:
+                raise RuntimeError("the pipeline's process groups were dropped")
+            op(control).wait()
+        except RuntimeError as e:
+            raise CommFailure(None, what, e.with_traceback(None)) from None
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
         """Forward only (no autograd state kept): the concatenated outputs on the rank that
         runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline."""
-        sig, _ = self._agreement.agree(inputs, None, False, self._loss_dtype)
+        sig, _ = self._agree(inputs, None, False)
+        with self._guard():
+            return self._forward(sig, inputs)
+
+    def _forward(self, sig: tuple[int, ...], inputs: Any) -> Any:
         handshake = sig != self._infer_signature
         self._infer_signature = sig
         engine, runner = self.engine, self.runner
@@ -402,6 +466,17 @@ class Pipeline:
         stored stage activations and gradients (held by autograd, or by the CUDA graph pool
         when captured)."""
         return self._capture.memory_report()
+
+
+def _seconds(timeout: float | datetime.timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(seconds)
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def as_tuple_out(o: Any) -> tuple:
