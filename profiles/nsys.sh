@@ -8,7 +8,8 @@
 # workload: `graphpipe bench --device cuda --ranks 1 --regime sweep --steps 10 --warmup 3`,
 # one rank because NCCL refuses two ranks on one GPU; pass --ranks N on an N-GPU machine.
 #
-# Ranges (domain "graphpipe"): `step` per training step, `3F5` / `0I2` / `4W1` per action,
+# Ranges (domain "graphpipe" with the nvtx package, the default domain through torch.cuda.nvtx
+# without it): `step` per training step, `3F5` / `0I2` / `4W1` per action,
 # `(0F5;7B2)OVERLAP_F_B` per overlapped pair; with capture="action" the replay of each
 # action's CUDA graph sits inside its range, with capture="step" the whole step graph sits
 # inside `step`. --cuda-graph-trace=node shows the kernels inside the graphs.
