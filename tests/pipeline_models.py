@@ -104,3 +104,17 @@ def twin_step(eager, eager_stages, captured, captured_stages, x, y) -> list[str]
         if not torch.equal(a.grad, b.grad):
             problems.append(f"grad of parameter {i}: max diff {(a.grad - b.grad).abs().max()}")
     return problems
+
+
+class Checkpointed(nn.Module):
+    """``inner`` under non-reentrant activation checkpointing (its forward is recomputed
+    during the backward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=False)
