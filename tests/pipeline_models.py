@@ -90,6 +90,11 @@ def params(stages) -> list[torch.nn.Parameter]:
     return [p for s in stages for p in s.parameters()]
 
 
+def unique_params(stages) -> list[torch.nn.Parameter]:
+    """The parameters of ``stages``, a tied one once (what an optimizer or a clip takes)."""
+    return list({id(p): p for s in stages for p in s.parameters()}.values())
+
+
 def twin_step(eager, eager_stages, captured, captured_stages, x, y) -> list[str]:
     """One step of an eager and a captured pipeline on the same batch (grads zeroed in place
     first); returns what differs bitwise: the loss or any parameter's gradient."""

@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pipeline_models import Checkpointed, batch, build_stages, mse, params, reference
+from tests.pipeline_models import (
+    Checkpointed,
+    batch,
+    build_stages,
+    mse,
+    params,
+    reference,
+    unique_params,
+)
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -91,7 +99,7 @@ def _twin_case(mesh, case: dict) -> dict:
         if case.get("checkpoint"):
             stages = [Checkpointed(s) for s in stages]
         mine = _mine(stages, p, "dualpipev")
-        opt = torch.optim.SGD(params(mine), lr=0.05)
+        opt = torch.optim.SGD(unique_params(mine), lr=0.05)
         pipes.append(
             graphpipe.DualPipeV(
                 mine,
@@ -195,8 +203,7 @@ def _reference(case: dict) -> tuple:
     loss, grads, _ = reference(stages, x, y)
     norm = None
     if case.get("clip") is not None:
-        unique = list({id(p): p for s in stages for p in s.parameters()}.values())
-        norm = torch.nn.utils.clip_grad_norm_(unique, case["clip"])
+        norm = torch.nn.utils.clip_grad_norm_(unique_params(stages), case["clip"])
         grads = {
             (i, name): p.grad.clone()
             for i, s in enumerate(stages)
