@@ -119,10 +119,8 @@ def _check(args: argparse.Namespace) -> str | None:
     if m < 2 * args.ranks:
         return f"--microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
     if args.batch_size % (dp * m):
-        return (
-            f"--batch-size {args.batch_size} does not split into --dp {dp} replicas of {m} "
-            "equal micro-batches"
-        )
+        per = f" on each of --dp {dp} replicas" if dp > 1 else ""
+        return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches{per}"
     if args.hidden % args.heads:
         return f"--hidden {args.hidden} is not a multiple of --heads {args.heads}"
     if args.data is not None and not os.path.isfile(args.data):

@@ -82,6 +82,11 @@ def test_train_reads_a_data_file_and_runs_on_one_rank(tmp_path):
         (["--batch-size", "10"], "--batch-size 10 does not split into 8 equal micro-batches"),
         (["--data", "/no/such/file"], "--data /no/such/file: no such file"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--dp", "0"], "--dp must be >= 1, got 0"),
+        (
+            ["--dp", "3"],
+            "--batch-size 16 does not split into 8 equal micro-batches on each of --dp 3 replicas",
+        ),
     ],
 )
 def test_bad_train_arguments_exit_2_with_one_line(args, message):
@@ -100,3 +105,19 @@ def test_a_captured_run_reproduces_the_eager_losses_bit_for_bit(tmp_path):
         losses[mode] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses["step"]) == 4
     assert losses["step"] == losses["none"]
+
+
+def test_data_parallel_replicas_reproduce_the_single_pipeline_losses(tmp_path):
+    """--dp 2 splits each batch across two replicas (world 2 x 1 rank): the same global
+    batches, so the same losses as one pipeline on the whole batch."""
+    small = ["--ranks", "1", "--steps", "3", "--hidden", "16", "--layers", "1", "--heads", "1"]
+    small += ["--seq-len", "16", "--batch-size", "8"]
+    losses = {}
+    for dp in ("1", "2"):
+        metrics = tmp_path / f"dp{dp}.jsonl"
+        proc = _train(*small, "--dp", dp, "--metrics", str(metrics))
+        assert proc.returncode == 0, proc.stderr
+        losses[dp] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert "1 ranks x 2 stages x 2 replicas" in proc.stderr
+    assert len(losses["2"]) == 3
+    assert losses["2"] == pytest.approx(losses["1"], rel=1e-5)
