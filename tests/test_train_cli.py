@@ -95,14 +95,18 @@ def test_bad_train_arguments_exit_2_with_one_line(args, message):
     assert proc.stderr.strip() == f"graphpipe train: error: {message}"
 
 
+def _losses(tmp_path, *args: str) -> tuple[list[float], str]:
+    """The per-step losses of ``graphpipe train *args`` (from its metrics file) and its
+    stderr."""
+    metrics = tmp_path / ("-".join(args).replace("/", "_") + ".jsonl")
+    proc = _train(*args, "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], proc.stderr
+
+
 def test_a_captured_run_reproduces_the_eager_losses_bit_for_bit(tmp_path):
     small = ["--steps", "4", "--hidden", "16", "--layers", "2", "--heads", "2", "--seq-len", "16"]
-    losses = {}
-    for mode in ("none", "step"):
-        metrics = tmp_path / f"{mode}.jsonl"
-        proc = _train(*small, "--capture", mode, "--metrics", str(metrics))
-        assert proc.returncode == 0, proc.stderr
-        losses[mode] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    losses = {mode: _losses(tmp_path, *small, "--capture", mode)[0] for mode in ("none", "step")}
     assert len(losses["step"]) == 4
     assert losses["step"] == losses["none"]
 
@@ -112,12 +116,7 @@ def test_data_parallel_replicas_reproduce_the_single_pipeline_losses(tmp_path):
     batches, so the same losses as one pipeline on the whole batch."""
     small = ["--ranks", "1", "--steps", "3", "--hidden", "16", "--layers", "1", "--heads", "1"]
     small += ["--seq-len", "16", "--batch-size", "8"]
-    losses = {}
-    for dp in ("1", "2"):
-        metrics = tmp_path / f"dp{dp}.jsonl"
-        proc = _train(*small, "--dp", dp, "--metrics", str(metrics))
-        assert proc.returncode == 0, proc.stderr
-        losses[dp] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert "1 ranks x 2 stages x 2 replicas" in proc.stderr
-    assert len(losses["2"]) == 3
-    assert losses["2"] == pytest.approx(losses["1"], rel=1e-5)
+    (one, _), (two, log) = (_losses(tmp_path, *small, "--dp", dp) for dp in ("1", "2"))
+    assert "1 ranks x 2 stages x 2 replicas" in log
+    assert len(two) == 3
+    assert two == pytest.approx(one, rel=1e-5)
