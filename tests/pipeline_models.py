@@ -90,6 +90,11 @@ def params(stages) -> list[torch.nn.Parameter]:
     return [p for s in stages for p in s.parameters()]
 
 
+def unique_params(stages) -> list[torch.nn.Parameter]:
+    """The parameters of ``stages``, a tied one once (what an optimizer or a clip takes)."""
+    return list({id(p): p for s in stages for p in s.parameters()}.values())
+
+
 def twin_diffs(eager, eager_stages, captured, captured_stages, x, y) -> dict[str, float]:
     """One step of an eager and a captured pipeline on the same batch (grads zeroed in place
     first); the largest absolute difference of the loss and of each parameter's gradient,
@@ -114,3 +119,17 @@ def twin_step(eager, eager_stages, captured, captured_stages, x, y) -> list[str]
     """``twin_diffs``, as the list of what differs bitwise (empty: all equal)."""
     diffs = twin_diffs(eager, eager_stages, captured, captured_stages, x, y)
     return [f"{name}: max diff {d!r}" for name, d in diffs.items() if d != 0.0]
+
+
+class Checkpointed(nn.Module):
+    """``inner`` under non-reentrant activation checkpointing (its forward is recomputed
+    during the backward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=False)

@@ -28,7 +28,9 @@ from graphpipe.simulate import Costs
 
 from .batch import BatchAgreement, split
 from .capture import CaptureDriver
+from .clipping import clip_in_step
 from .comm import CommEngine
+from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import PipelineGroups
 from .program import Program, compile_program
@@ -69,6 +71,19 @@ class Pipeline:
         costs: the expected action costs (``graphpipe.simulate.Costs``); the lowering times
             the receives with them (each is posted just before its data is sent). Default:
             F=1, B=2, I=1, W=1.
+        dp_group: the data-parallel group: the ranks that run this rank's stages in the other
+            replicas (``mesh.get_group("dp")`` of a ``("dp", "pp")`` DeviceMesh, with
+            ``group=mesh.get_group("pp")``). Each stage's gradients are averaged over it as
+            soon as its last W (or B) of the step has run, and the loss is the mean over the
+            replicas (``runtime/data_parallel.py``). The replicas start from the first one's
+            parameters (broadcast here).
+        defer_weight_grads: switch the stages' plain ``nn.Linear`` layers to the deferrable
+            one (default True); False computes every weight gradient during ``I`` (``W`` is
+            then empty). ``graphpipe.no_defer(module)`` opts out one module.
+        clip_grad_norm: clip the gradients to this global norm at the end of every training
+            step (``graphpipe.clip_grad_norm_``, after the data-parallel averaging, inside the
+            captured step); the norm is then ``pipe.grad_norm``.
+        clip_norm_type: the norm's p (default 2.0; ``float("inf")`` for the max norm).
         timeout: seconds (or a ``timedelta``) a rank waits for a silent peer before it raises
             ``PipelineError`` naming it (a failing or killed peer is reported at once).
 
@@ -98,6 +113,10 @@ class Pipeline:
         capture_optimizer: torch.optim.Optimizer | None = None,
         costs: Costs | None = None,
         timeout: float | datetime.timedelta = 300.0,
+        dp_group: dist.ProcessGroup | None = None,
+        defer_weight_grads: bool = True,
+        clip_grad_norm: float | None = None,
+        clip_norm_type: float = 2.0,
     ) -> None:
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
             raise TypeError(
@@ -118,6 +137,7 @@ class Pipeline:
         self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
         self.stage_ids = self.placement.stages_of(self.rank)
         self._check_stages(stages)
+        check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
         self.modules = tuple(stages)
         self.loss_fn = loss_fn
         self.last_stage = self.placement.last_stage
@@ -134,7 +154,14 @@ class Pipeline:
                 if part.op is Op.I:
                     split_flags[local[part.stage]][part.microbatch] = True
         self.runner = StageRunner(
-            self.modules, self.stage_ids, self.last_stage, m, loss_fn, self.device, split_flags
+            self.modules,
+            self.stage_ids,
+            self.last_stage,
+            m,
+            loss_fn,
+            self.device,
+            split_flags,
+            defer_weight_grads,
         )
         self.stores = self.runner.stores
         self.num_deferrable = self.runner.num_deferrable
@@ -168,6 +195,12 @@ class Pipeline:
             self.runner,
             self.engine,
         )
+        # Parts that run inside the training step as instructions of its program.
+        self.data_parallel = DataParallel(self, dp_group) if dp_group is not None else None
+        self.grad_norm: torch.Tensor | None = None
+        self._clips = clip_grad_norm is not None
+        if self._clips:
+            clip_in_step(self, clip_grad_norm, clip_norm_type)
         self._agreement = BatchAgreement(
             groups, self.rank, n, self.input_rank, self.loss_rank, m, _float_dtype(self.modules[0])
         )
@@ -240,6 +273,12 @@ class Pipeline:
             raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
         if self.capture and scaler is not None:
             raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
+        if scaler is not None and self._clips:
+            raise ValueError(
+                "clip_grad_norm clips inside the step, before a GradScaler could unscale: "
+                "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
+                "pipe.unscale_(scaler, optimizer)"
+            )
         sig, loss_dtype = self._agree(inputs, labels, True)
         with self._guard():
             self._ensure_losses(loss_dtype)
@@ -361,6 +400,8 @@ class Pipeline:
         """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
         if self.is_loss_rank:
             torch.mean(self.runner.losses, dim=0, out=self._loss_out)
+            if self.data_parallel is not None:  # the mean over the replicas' loss ranks
+                self.data_parallel.average_loss(self._loss_out)
         if self.num_ranks == 1:
             return self._loss_out
         if self.device.type == "cuda":  # on device: it runs inside captured graphs
