@@ -69,7 +69,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["MARKER", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "MARKER",
+    "checkpoint_info",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 MARKER = "graphpipe.json"
 """The file that marks a checkpoint directory complete (its step, ranks and stages)."""
@@ -105,6 +112,20 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
             if m and child.is_dir() and _read_marker(child) is not None:
                 found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
+    """What the marker of the checkpoint at ``path`` says: ``{"step", "world_size", "stages",
+    "meta"}`` (``stages[r]``: rank r's stage indices; ``meta``: what the saver passed).
+
+    Raises ``FileNotFoundError`` naming ``path`` when it is not a complete checkpoint.
+    """
+    info = _read_marker(Path(path))
+    if info is None:
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete graphpipe checkpoint (no readable {MARKER})"
+        )
+    return {k: info.get(k) for k in ("step", "world_size", "stages", "meta")}
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -185,16 +206,20 @@ def save_checkpoint(
     *,
     extra: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    meta: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Path:
     """Save this rank's share of the training state in ``ROOT/step-{step:08d}`` (all ranks call).
 
-    stages: this rank's stages by global stage index. optimizer: one optimizer or several
-    over those stages' parameters (or None). extra: this rank's other state, objects with
-    ``state_dict()``/``load_state_dict()`` (e.g. ``{"data": batch_iterator}``). keep: after
-    saving, delete all but the newest ``keep`` complete checkpoints (and incomplete ones older
-    than this one); None keeps all. group: the process group every rank of the pipeline is in
-    (default: the world).
+    stages: this rank's stages by global stage index.
+    optimizer: one optimizer or several over those stages' parameters (or None).
+    extra: this rank's other state, objects with ``state_dict()``/``load_state_dict()`` (e.g.
+        ``{"data": batch_iterator}``).
+    keep: after saving, delete all but the newest ``keep`` complete checkpoints (and the
+        incomplete ones older than this one); None keeps all.
+    meta: JSON-serializable facts for the marker (rank 0's are kept), read back by
+        ``checkpoint_info``: e.g. the settings a resumed run must share.
+    group: the process group of the pipeline's ranks (default: the world).
 
     Returns the checkpoint's path once it is complete on every rank.
     """
@@ -202,6 +227,10 @@ def save_checkpoint(
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1, got keep={keep!r}")
     model = _check_stages(stages)
+    try:
+        json.dumps(dict(meta or {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta must be JSON-serializable: {e}") from None
     rank, world = _world(group)
     distributed = _distributed()
     state = _state(model, _optimizers(optimizer), rank, step, extra)
@@ -216,7 +245,13 @@ def save_checkpoint(
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=path, process_group=group, no_dist=not distributed)
     if rank == 0:
-        info = {"format": _FORMAT, "step": step, "world_size": world, "stages": stage_lists}
+        info = {
+            "format": _FORMAT,
+            "step": step,
+            "world_size": world,
+            "stages": stage_lists,
+            "meta": dict(meta or {}),
+        }
         tmp = path / (MARKER + ".tmp")
         with open(tmp, "w") as f:
             json.dump(info, f)
@@ -258,11 +293,7 @@ def load_checkpoint(
     ranks or stages differ from the saved ones.
     """
     path = Path(path)
-    info = _read_marker(path)
-    if info is None:
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a complete graphpipe checkpoint (no readable {MARKER})"
-        )
+    info = checkpoint_info(path)
     model = _check_stages(stages)
     rank, world = _world(group)
     if info["world_size"] != world:
