@@ -37,7 +37,9 @@ What one checkpoint ``ROOT/step-00000100`` holds (one DCP checkpoint, all ranks'
   while saving) and is ignored by ``latest_checkpoint``, overwritten by a later save of the
   same step and deleted by pruning.
 
-Resuming needs the same number of ranks and the same stage split. Resuming from a
+Resuming needs the same number of ranks and the same stage split. Load before the
+pipeline's first step: a captured step (``capture=...``, ``capture_optimizer=...``) holds the
+optimizer's state tensors, which loading replaces. Resuming from a
 checkpoint and continuing reproduces an uninterrupted run bit for bit when the step is
 deterministic (``graphpipe train`` is; ``tests/test_checkpoint*.py`` check it).
 """

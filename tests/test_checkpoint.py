@@ -190,3 +190,20 @@ def test_two_ranks_resume_their_own_stages_bit_for_bit(tmp_path: Path) -> None:
     assert stages_saved == {"stage0", "stage1", "stage2", "stage3"}
     info = json.loads((checkpoint_path(tmp_path, 2) / MARKER).read_text())
     assert info["world_size"] == 2 and info["stages"] == [[0, 3], [1, 2]]
+
+
+def test_checkpoint_info_reads_the_marker_with_the_savers_meta(tmp_path: Path) -> None:
+    from graphpipe.checkpoint import checkpoint_info
+
+    stages, _, opt = _pipeline()
+    path = save_checkpoint(tmp_path, 7, stages, opt, meta={"hidden": 16, "data": None})
+    assert checkpoint_info(path) == {
+        "step": 7,
+        "world_size": 1,
+        "stages": [[0, 1]],
+        "meta": {"hidden": 16, "data": None},
+    }
+    with pytest.raises(ValueError, match="meta must be JSON-serializable"):
+        save_checkpoint(tmp_path, 8, stages, opt, meta={"x": object()})
+    with pytest.raises(FileNotFoundError, match="step-00000008"):
+        checkpoint_info(checkpoint_path(tmp_path, 8))

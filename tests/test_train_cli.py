@@ -350,3 +350,22 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_status_130() -> None:
     while _session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _session_processes(proc.pid) == []
+
+
+def test_a_failed_rank_is_reported_once_with_status_1() -> None:
+    env = {**os.environ, "GRAPHPIPE_TEST_EXIT": "1:2"}  # rank 1 dies before step 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphpipe", "train", *TINY, "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 1
+    # The rank that is seen to fail first: rank 1 itself, or rank 0 whose peer vanished.
+    prefix = "graphpipe train: rank"
+    reports = [line for line in proc.stderr.splitlines() if line.startswith(prefix)]
+    assert len(reports) == 1, proc.stderr
+    assert reports[0] in (f"{prefix} 1 exited with status 1", f"{prefix} 0 failed:")
+    assert proc.stderr.count("Traceback") <= 1  # the rank's own, never the launcher's
+    assert "ProcessRaisedException" not in proc.stderr
