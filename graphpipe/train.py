@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["Progress", "add_parser", "default_layers", "run"]
+__all__ = ["Progress", "add_parser", "default_layers", "default_microbatches", "run"]
 
 # The settings a resumed run must share with the checkpoint (they decide the numerics).
 _RESUME_MUST_MATCH = (
@@ -105,6 +105,14 @@ class Progress:
         self.stream.flush()
 
 
+def default_microbatches(ranks: int, batch_size: int) -> int | None:
+    """The default ``--microbatches``: 4N if it divides the batch, else the smallest divisor
+    of the batch that is at least 2N (None if there is none)."""
+    if batch_size % (4 * ranks) == 0:
+        return 4 * ranks
+    return next((m for m in range(2 * ranks, batch_size + 1) if batch_size % m == 0), None)
+
+
 def default_layers(ranks: int) -> int:
     """The default ``--layers``: 4, or enough for every middle stage of 2N stages to get one."""
     return max(4, 2 * ranks - 2)
@@ -135,7 +143,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="M",
-        help="micro-batches per step, at least 2N (default 4N)",
+        help="micro-batches per step, at least 2N; they split --batch-size evenly (default "
+        "4N, or the smallest divisor of --batch-size that is at least 2N: 8 for N=3)",
     )
     p.add_argument(
         "--batch-size",
@@ -252,7 +261,14 @@ def _check(args: argparse.Namespace) -> str | None:
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
     n = args.ranks
-    m = args.microbatches if args.microbatches is not None else 4 * n
+    m = args.microbatches
+    if m is None:
+        m = default_microbatches(n, args.batch_size)
+    if m is None:
+        return (
+            f"--batch-size {args.batch_size} does not split into 2 * --ranks = {2 * n} or more "
+            f"equal micro-batches; pass a --batch-size that is a multiple of {2 * n}"
+        )
     if m < 2 * n:
         return f"--microbatches must be >= 2 * --ranks = {2 * n}, got {m}"
     if args.batch_size % m:

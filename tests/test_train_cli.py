@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from graphpipe.cli import main
-from graphpipe.train import Progress, default_layers
+from graphpipe.train import Progress, default_layers, default_microbatches
 
 pytestmark = pytest.mark.distributed
 
 # A model small enough for a few seconds per run on two busy cores.
-TINY = ["--hidden", "16", "--layers", "2", "--heads", "2", "--seq-len", "16"]
+TINY = ["--hidden", "16", "--layers", "2", "--heads", "2", "--seq-len", "16", "--no-kernels"]
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
@@ -94,7 +94,10 @@ def test_train_reads_a_data_file_and_runs_on_one_rank(tmp_path):
     "args,message",
     [
         (["--microbatches", "3"], "--microbatches must be >= 2 * --ranks = 4, got 3"),
-        (["--batch-size", "10"], "--batch-size 10 does not split into 8 equal micro-batches"),
+        (
+            ["--batch-size", "10", "--microbatches", "8"],
+            "--batch-size 10 does not split into 8 equal micro-batches",
+        ),
         (["--data", "/no/such/file"], "--data /no/such/file: no such file"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
     ],
@@ -183,6 +186,18 @@ def test_the_default_layers_fit_every_rank_count() -> None:
     for n in range(1, 17):
         assert default_layers(n) >= 2 * n - 2
     assert default_layers(2) == 4 and default_layers(4) == 6
+
+
+def test_the_default_microbatches_split_the_batch() -> None:
+    got = [default_microbatches(n, 16) for n in (1, 2, 3, 4, 5, 8, 9)]
+    assert got == [4, 8, 8, 16, 16, 16, None]
+    assert default_microbatches(3, 24) == 12
+
+
+def test_a_batch_too_small_for_the_ranks_says_what_to_pass(capsys) -> None:
+    code, err = _main_error(["--ranks", "9"], capsys)
+    assert code == 2
+    assert "--batch-size 16 does not split into 2 * --ranks = 18 or more equal micro-batches" in err
 
 
 def _fake_checkpoint(root: Path, step: int, world: int, **meta) -> Path:
