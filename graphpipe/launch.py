@@ -55,7 +55,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun_store(world: int) -> Any:
+    """Under a torchrun that restarts its workers: a store private to this attempt, or None.
+
+    torchrun's agent shares its TCPStore with the workers (``TORCHELASTIC_USE_AGENT_STORE``)
+    and keeps the same store across restarts (torch 2.13), so the keys that
+    ``init_process_group`` writes (each rank's gloo address, NCCL's unique id) are still
+    there from the failed attempt when the next one starts. A rank that reads a peer's key
+    before the peer has rewritten it connects to a dead address (gloo: "Connection refused",
+    seen in this project's restart test; torch issues 135712 and 167288). Prefixing the keys
+    with the restart count (the same on every worker of a fixed-size job, since torchrun
+    restarts them all together) keeps the attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=_TIMEOUT,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"graphpipe/attempt-{attempt}", store)
+
+
 def _init(rank: int, world: int, device: str) -> torch.device:
+    store = _torchrun_store(world) if joined_torchrun() else None
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but CUDA is not available")
@@ -68,10 +94,10 @@ def _init(rank: int, world: int, device: str) -> torch.device:
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
         dist.init_process_group(
-            "nccl", rank=rank, world_size=world, timeout=_TIMEOUT, device_id=dev
+            "nccl", store=store, rank=rank, world_size=world, timeout=_TIMEOUT, device_id=dev
         )
         return dev
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
     return torch.device("cpu")
 
 
