@@ -1,8 +1,22 @@
 """graphpipe: DualPipeV pipeline parallelism for PyTorch, captured into CUDA graphs."""
 
-from .executor import DualPipeV
-from .ir import Action, Op
+from .errors import PipelineError
+from .ir import Action, Op, load_csv
+from .runtime import DualPipeV, Pipeline, clip_grad_norm_
 from .schedules import dualpipev
+from .simulate import Costs
+from .weightgrad import no_defer
 
-__all__ = ["Action", "DualPipeV", "Op", "dualpipev"]
+__all__ = [
+    "Action",
+    "Costs",
+    "DualPipeV",
+    "Op",
+    "Pipeline",
+    "PipelineError",
+    "clip_grad_norm_",
+    "dualpipev",
+    "load_csv",
+    "no_defer",
+]
 __version__ = "0.1.0"

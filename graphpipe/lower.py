@@ -14,48 +14,52 @@ B/I s    ``RECV_B s`` if stage s+1 is remote        ``SEND_B s`` if stage s-1 is
 W s      nothing                                    nothing
 =======  =========================================  ==========================================
 
-The plain rule (``rendezvous_safe=False``): step ``k``'s batch is the sends produced by
-compute ``k-1`` followed by the receives compute ``k`` needs; one last ``Step(comms, None)``
-flushes the sends of the final compute.
+The runtime is asynchronous: a step *posts* its batch of sends and receives and goes on; a
+compute waits only for the receives it reads; sends complete in the background (and are
+waited for at the end of the step). So a send never blocks, and the only thing that can stall
+a rank is data that has not arrived. What the lowering decides is *when* each receive is
+posted, since a transfer starts only once both of its ends are posted:
 
-The plain rule deadlocks DualPipeV and ZB-V for every N >= 2 once a batch blocks until each of
-its ops is matched (a send waits for its receive to be posted, as in an NCCL group): rank r-1
-sends its warm-up forwards faster than rank r posts their receives. DeepSeek's DualPipe posts
-such receives early by hand (its steps 2 and 3). ``lower`` does it generally with two pure
-passes; sends never move, receives only move to earlier batches:
+1. The plain rule (``early_receives=False``): step ``k``'s batch is the sends produced by
+   compute ``k-1`` followed by the receives compute ``k`` needs; one last
+   ``Step(comms, None)`` flushes the sends of the final compute.
+2. ``post_receives_early`` (the default): time the computes by data dependencies alone
+   (``graphpipe.timing``, with ``durations`` and ``latency``), and post each receive in the
+   last batch the receiver issues no later than the moment its data is sent, so that the
+   transfer starts the moment the data exists. Receives only move earlier. Then, per directed
+   rank pair, receives are posted in the order the messages are sent (a receive read late is
+   posted no later than the receive of any message sent after it): every directed rank pair
+   is one FIFO, which is what one communicator per directed rank pair needs.
 
-1. ``align_receives``: time the computes by data dependencies alone (``durations``, default
-   the simulator's default costs) and post each receive in the batch the receiver issues
-   first at or after the moment its data is sent, so that both ends of a message meet without
-   waiting. With uniform costs the rendezvous run then matches the dependency-only timing.
-2. ``hoist_receives``: the safety net. Run the batches without timing; while every remaining
-   rank is blocked, take the lowest blocked rank whose batch holds a send whose receive the
-   peer has not posted yet, and move that receive into the batch the peer is stuck at. Then
-   order each batch (sends first, then receives) so that on every directed rank pair messages
-   leave in the order they are received (one communicator per rank pair keeps them matched).
+``transfers`` groups the messages of each directed rank pair into *transfers*: the longest
+runs of consecutive messages that leave in one batch of the sender and arrive in one batch of
+the receiver. A transfer is one group of P2P ops (one NCCL group, one gloo packet) at both
+ends, so both ends group every message the same way by construction.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from graphpipe.ir import BACKWARD_OPS, Action, Op, Schedule
+from graphpipe.ir import Action, Op, Schedule
 from graphpipe.schedules import Placement
+from graphpipe.timing import Durations, dataflow_times
 
 __all__ = [
     "Step",
-    "align_receives",
+    "Transfer",
     "channel",
     "comms_needed",
     "comms_produced",
     "forward_only",
-    "hoist_receives",
     "lower",
     "matching",
     "peer",
+    "post_receives_early",
+    "transfers",
 ]
 
 
@@ -127,27 +131,24 @@ def comms_produced(compute: Action, placement: Placement) -> tuple[Action, ...]:
     return tuple(c for p in compute.parts() for c in _remote_comm(_PRODUCES, p, placement))
 
 
-Durations = Callable[[Action], float]
-"""The time one compute cell takes (``simulate.Costs.of`` is one)."""
-
-
 def lower(
     schedule: Mapping[int, Sequence[Action]],
     placement: Placement,
     *,
     durations: Durations | None = None,
-    rendezvous_safe: bool = True,
+    latency: float = 0.0,
+    early_receives: bool = True,
 ) -> dict[int, list[Step]]:
     """Add communication: per rank, one ``Step`` per compute cell plus a final flush if needed.
 
-    ``rendezvous_safe=False`` gives the plain rule (step k: sends of compute k-1, receives of
-    compute k). The default then applies ``align_receives`` (timed with ``durations``) and
-    ``hoist_receives``; see the module doc.
+    ``early_receives=False`` gives the plain rule (step k: sends of compute k-1, receives of
+    compute k). The default then applies ``post_receives_early``, timed with ``durations``
+    (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and ``latency`` per message.
     """
     lowered = _lower_plain(schedule, placement)
-    if not rendezvous_safe:
+    if not early_receives:
         return lowered
-    return hoist_receives(align_receives(lowered, placement, durations))
+    return post_receives_early(lowered, placement, durations, latency)
 
 
 def _lower_plain(
@@ -207,8 +208,9 @@ def forward_only(schedule: Mapping[int, Sequence[Action]]) -> Schedule:
 
 
 # --------------------------------------------------------------------------------------------
-# Receive alignment
+# Posting receives early
 
+_SENDS = frozenset({Op.SEND_F, Op.SEND_B})
 _DEFAULT_DURATIONS = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}  # = simulate.Costs()
 
 
@@ -217,189 +219,127 @@ def _default_duration(action: Action) -> float:
     return sum(_DEFAULT_DURATIONS[p.op] for p in action.parts())
 
 
-def _dependency_times(
-    lowered: Mapping[int, Sequence[Step]], placement: Placement, durations: Durations
-) -> tuple[dict[int, list[float]], dict[tuple[Op, int, int], float]]:
-    """Time the computes by data dependencies alone (no communication cost or wait).
-
-    Returns per rank the start of each step's compute (a rank stuck on a dependency cycle
-    stops short), and the end of each forward ``(F, stage, mb)`` / backward ``(B, stage, mb)``.
-    """
-    last = placement.last_stage
-    finished: dict[tuple[Op, int, int], float] = {}
-    starts: dict[int, list[float]] = {r: [] for r in lowered}
-    free = dict.fromkeys(lowered, 0.0)
-
-    def needs(part: Action) -> tuple[Op, int, int] | None:
-        if part.op is Op.F and part.stage > 0:
-            return (Op.F, part.stage - 1, part.microbatch)
-        if part.op in BACKWARD_OPS and part.stage < last:
-            return (Op.B, part.stage + 1, part.microbatch)
-        return None
-
-    progress = True
-    while progress:
-        progress = False
-        for rank, steps in lowered.items():
-            while len(starts[rank]) < len(steps):
-                compute = steps[len(starts[rank])].compute
-                parts = compute.parts() if compute is not None else ()
-                deps = [d for d in map(needs, parts) if d is not None]
-                if any(d not in finished for d in deps):
-                    break
-                start = max([free[rank]] + [finished[d] for d in deps])
-                free[rank] = start + (durations(compute) if compute is not None else 0.0)
-                starts[rank].append(start)
-                for p in parts:
-                    if p.op is not Op.W:
-                        kind = Op.F if p.op is Op.F else Op.B
-                        finished[(kind, p.stage, p.microbatch)] = free[rank]
-                progress = True
-    return starts, finished
+def _edge(c: Action, rank: int, placement: Placement) -> tuple[int, int]:
+    """The directed rank pair ``(sender, receiver)`` a comm action travels on."""
+    other = peer(c, placement)
+    return (rank, other) if c.op in _SENDS else (other, rank)
 
 
-def align_receives(
+def post_receives_early(
     lowered: Mapping[int, Sequence[Step]],
     placement: Placement,
     durations: Durations | None = None,
+    latency: float = 0.0,
 ) -> dict[int, list[Step]]:
-    """Move each receive to the first batch whose compute starts, in the dependency-only
-    timing, no earlier than the moment its data is computed: the batch the receiver issues
-    when the sender issues the send. Receives only move earlier; order per channel is kept."""
-    starts, finished = _dependency_times(lowered, placement, durations or _default_duration)
-    sent_at = {Op.RECV_F: (Op.F, -1), Op.RECV_B: (Op.B, +1)}
-    batches = {r: [list(s.comms) for s in lowered[r]] for r in lowered}
-    for rank, steps in batches.items():
-        for k, batch in enumerate(steps):
-            for c in [c for c in batch if c.op in sent_at]:
-                op, offset = sent_at[c.op]
-                ready = finished.get((op, c.stage + offset, c.microbatch))
-                if ready is None or k >= len(starts[rank]):
-                    continue  # not timed (a dependency cycle): leave it for simulate to report
-                j = bisect.bisect_left(starts[rank], ready, hi=k)
-                if j < k:
-                    batch.remove(c)
-                    steps[j].append(c)
-    return {
-        r: [Step(tuple(b), s.compute) for b, s in zip(batches[r], lowered[r], strict=True)]
-        for r in lowered
-    }
+    """Post each receive in the last batch its rank issues, in the dataflow timing, no later
+    than the moment its data is sent; keep receives in send order per directed rank pair; order
+    each batch as sends, then receives by (sender's step, place in the sender's batch).
+
+    Sends never move; receives only move earlier. Pure: returns new Steps. A receive whose
+    data cannot be timed (a dependency cycle) stays where it is, for ``simulate`` to report.
+    """
+    cells = {r: [s.compute for s in steps] for r, steps in lowered.items()}
+    times = dataflow_times(cells, placement, durations or _default_duration, latency)
+    # The batch of step k is issued when compute k-1 ends (at 0 for k = 0).
+    issued = {r: [0.0] + times.ends[r][:-1] for r in lowered}
+    sent_at: dict[Action, tuple[int, int]] = {}  # a send -> (its step, place in the batch)
+    for steps in lowered.values():
+        for k, step in enumerate(steps):
+            for i, c in enumerate(step.comms):
+                if c.op in _SENDS:
+                    sent_at[c] = (k, i)
+    where: dict[Action, int] = {}  # a receive -> its batch
+    on_edge: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    for r, steps in lowered.items():
+        for k, step in enumerate(steps):
+            for c in step.comms:
+                if c.op in _SENDS:
+                    continue
+                where[c] = k
+                on_edge[_edge(c, r, placement)].append(c)
+                ready = times.done.get(_sent_data(c))
+                if ready is not None and k < len(issued[r]):
+                    where[c] = max(0, bisect.bisect_right(issued[r], ready, hi=k + 1) - 1)
+    for recvs in on_edge.values():
+        recvs.sort(key=lambda c: sent_at.get(matching(c), (len(where), 0)))
+        for later, earlier in zip(reversed(recvs), list(reversed(recvs))[1:]):
+            where[earlier] = min(where[earlier], where[later])
+    out: dict[int, list[Step]] = {}
+    for r, steps in lowered.items():
+        batches: list[list[Action]] = [[c for c in s.comms if c.op in _SENDS] for s in steps]
+        recvs = sorted(
+            (c for s in steps for c in s.comms if c.op not in _SENDS),
+            key=lambda c: sent_at.get(matching(c), (len(where), 0)),
+        )
+        for c in recvs:
+            batches[where[c]].append(c)
+        out[r] = [Step(tuple(b), s.compute) for b, s in zip(batches, steps, strict=True)]
+    return out
+
+
+def _sent_data(recv: Action) -> tuple[Op, int, int]:
+    """What the matching send carries, in ``dataflow_times``' terms."""
+    send = matching(recv)
+    return (Op.F if send.op is Op.SEND_F else Op.B, send.stage, send.microbatch)
 
 
 # --------------------------------------------------------------------------------------------
-# Receive hoisting
+# Transfers
 
 
-_SENDS = frozenset({Op.SEND_F, Op.SEND_B})
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Consecutive messages on one directed rank pair that leave in one batch of the sender
+    and arrive in one batch of the receiver: one group of P2P ops at both ends.
+
+    src / dst: the sending and the receiving rank.
+    index: the transfer's place on its rank pair (0, 1, ...), the same at both ends.
+    sends: the ``SEND_*`` actions, in order; the receiver posts their ``matching`` receives.
+    send_step / recv_step: the step whose batch posts it, on the sender / the receiver.
+    """
+
+    src: int
+    dst: int
+    index: int
+    sends: tuple[Action, ...]
+    send_step: int
+    recv_step: int
+
+    @property
+    def recvs(self) -> tuple[Action, ...]:
+        return tuple(matching(s) for s in self.sends)
+
+    def __str__(self) -> str:
+        messages = " ".join(map(str, self.sends))
+        return f"rank {self.src} -> rank {self.dst} #{self.index} ({messages})"
 
 
-@dataclass(slots=True)
-class _Message:
-    """One send paired with its receive (the i-th of each on a channel); ``*_at`` are
-    ``(rank, step)``, and ``recv_at`` changes when the receive is hoisted."""
+def transfers(lowered: Mapping[int, Sequence[Step]], placement: Placement) -> list[Transfer]:
+    """Every transfer of ``lowered``, per directed rank pair in order.
 
-    send: Action
-    send_at: tuple[int, int]
-    recv: Action
-    recv_at: tuple[int, int]
-
-    def other_end(self, rank: int) -> tuple[int, int]:
-        return self.recv_at if self.send_at[0] == rank else self.send_at
-
-
-def _pair(batches: Mapping[int, Sequence[Sequence[Action]]]) -> list[_Message]:
-    """Pair the i-th send and the i-th receive of each channel; unpaired ops are left out
-    (``simulate`` reports them)."""
-    sends: dict[tuple[int, int], list] = defaultdict(list)
-    recvs: dict[tuple[int, int], list] = defaultdict(list)
-    for rank in sorted(batches):
-        for k, batch in enumerate(batches[rank]):
-            for c in batch:
-                (sends if c.op in _SENDS else recvs)[channel(c)].append((c, (rank, k)))
-    return [
-        _Message(s, s_at, r, r_at)
-        for ch in sorted(sends)
-        for (s, s_at), (r, r_at) in zip(sends[ch], recvs[ch], strict=False)
-    ]
-
-
-def hoist_receives(lowered: Mapping[int, Sequence[Step]]) -> dict[int, list[Step]]:
-    """Make ``lowered`` run without deadlock when every batch blocks until all its ops are
-    matched: move receives into earlier batches where a peer's send would otherwise wait
-    forever, then order each batch (see the module doc). Pure: returns new Steps."""
-    batches = {r: [list(s.comms) for s in lowered[r]] for r in lowered}
-    messages = _pair(batches)
-    touching: dict[tuple[int, int], list[_Message]] = defaultdict(list)
-    for m in messages:
-        touching[m.send_at].append(m)
-        touching[m.recv_at].append(m)
-    pos = dict.fromkeys(batches, 0)
-
-    def can_complete(rank: int) -> bool:
-        if pos[rank] >= len(batches[rank]):
-            return False
-        ends = (m.other_end(rank) for m in touching[(rank, pos[rank])])
-        return all(pos[peer_rank] >= peer_step for peer_rank, peer_step in ends)
-
-    while True:
-        progress = True
-        while progress:
-            progress = False
-            for rank in sorted(batches):
-                while can_complete(rank):
-                    pos[rank] += 1
-                    progress = True
-        stuck = next(
-            (
-                m
-                for rank in sorted(batches)
-                if pos[rank] < len(batches[rank])
-                for m in touching[(rank, pos[rank])]
-                if m.send_at[0] == rank and pos[m.recv_at[0]] < m.recv_at[1]
-            ),
-            None,
-        )
-        if stuck is None:
-            break  # done, or blocked on data that is not computed yet (simulate reports it)
-        peer_rank, old = stuck.recv_at
-        batches[peer_rank][old].remove(stuck.recv)
-        batches[peer_rank][pos[peer_rank]].append(stuck.recv)
-        touching[stuck.recv_at].remove(stuck)
-        stuck.recv_at = (peer_rank, pos[peer_rank])
-        touching[stuck.recv_at].append(stuck)
-    _order_batches(batches, messages)
-    return {
-        r: [Step(tuple(b), s.compute) for b, s in zip(batches[r], lowered[r], strict=True)]
-        for r in lowered
-    }
-
-
-def _order_batches(batches: dict[int, list[list[Action]]], messages: list[_Message]) -> None:
-    """Sends first, by (receiving step, channel); then receives, by (sending step, place in
-    the sender's batch). Without deadlock no two messages of a rank pair cross (a later send
-    received earlier would need each side to pass the other first), so this makes every
-    directed rank pair's send order equal its receive order."""
-    by_send = {(m.send_at, m.send): m for m in messages}
-    by_recv = {(m.recv_at, m.recv): m for m in messages}
-    for rank, steps in batches.items():
-        for k, batch in enumerate(steps):
-            sends = [c for c in batch if c.op in _SENDS]
-            keys = []
-            for c in sends:
-                m = by_send.get(((rank, k), c))
-                keys.append((m.recv_at[1] if m else -1, channel(c), c.microbatch))
-            order = sorted(range(len(sends)), key=keys.__getitem__)
-            steps[k] = [sends[i] for i in order] + [c for c in batch if c.op not in _SENDS]
-    for rank, steps in batches.items():
-        for k, batch in enumerate(steps):
-            recvs = [c for c in batch if c.op not in _SENDS]
-            keys = []
-            for c in recvs:
-                m = by_recv.get(((rank, k), c))
-                if m is None:
-                    keys.append((-1, -1))
-                else:
-                    sender_rank, sender_step = m.send_at
-                    keys.append((sender_step, batches[sender_rank][sender_step].index(m.send)))
-            order = sorted(range(len(recvs)), key=keys.__getitem__)
-            steps[k] = [c for c in batch if c.op in _SENDS] + [recvs[i] for i in order]
+    Raises ``ValueError`` when a rank pair's messages are not received in the order they are
+    sent, or a message has no other end (``simulate`` reports such programs with the grid).
+    """
+    sent: dict[tuple[int, int], list[tuple[Action, int]]] = defaultdict(list)
+    got: dict[tuple[int, int], list[tuple[Action, int]]] = defaultdict(list)
+    for r in sorted(lowered):
+        for k, step in enumerate(lowered[r]):
+            for c in step.comms:
+                side = sent if c.op in _SENDS else got
+                side[_edge(c, r, placement)].append((c, k))
+    out: list[Transfer] = []
+    for edge in sorted(set(sent) | set(got)):
+        sends, recvs = sent[edge], got[edge]
+        if [matching(s) for s, _ in sends] != [c for c, _ in recvs]:
+            raise ValueError(
+                f"rank {edge[0]} -> rank {edge[1]}: messages are sent as "
+                f"{[str(s) for s, _ in sends]} but received as {[str(c) for c, _ in recvs]}"
+            )
+        run: list[Action] = []
+        index = 0
+        for i, ((s, ks), (_, kr)) in enumerate(zip(sends, recvs)):
+            run.append(s)
+            if i + 1 == len(sends) or (sends[i + 1][1], recvs[i + 1][1]) != (ks, kr):
+                out.append(Transfer(edge[0], edge[1], index, tuple(run), ks, kr))
+                run, index = [], index + 1
+    return out

@@ -1,9 +1,11 @@
 """The static buffer plan: every buffer a captured step touches, allocated once.
 
 Built from the warmup step's metadata and the lowered program. Each receive buffer lives
-from the schedule step that receives it until the last action that can still read it: the
-``B`` of its (stage, micro-batch), or the ``W`` when the backward was split into ``I`` + ``W``
-(the deferred weight-gradient GEMMs read the stage input and the output gradient). Buffers
+from the schedule step that posts its receive until the last action that can still read it:
+the ``B`` of its (stage, micro-batch), or the ``W`` when the backward was split into ``I`` +
+``W`` (the deferred weight-gradient GEMMs read the stage input and the output gradient). A
+send buffer (a gloo packet) lives until the end of the step: sends complete in the
+background and are waited for there. Buffers
 with the same metadata whose lifetimes do not overlap share one allocation (greedy interval
 coloring, which is optimal for interval graphs per metadata class).
 """
@@ -100,6 +102,7 @@ def build_plan(
     inputs: Sequence[TensorMeta] = (),
     labels: Sequence[TensorMeta] = (),
     readers: dict[BufferKey, Sequence[tuple[int, int]]] | None = None,
+    until_end: Sequence[BufferKey] = (),
 ) -> StaticPlan:
     """Allocate the buffers of one step.
 
@@ -107,10 +110,13 @@ def build_plan(
     metas: the metadata of each buffer key (from the warmup step).
     inputs / labels: metadata of the whole-batch tensors (rank 0 only).
     readers: the ``(stage, microbatch)`` whose last action ends each key's life (default:
-        the key's own; an empty list: the buffer dies with its step, as a send buffer does).
+        the key's own; an empty list: the buffer dies with its step).
+    until_end: keys that live until the end of the step whatever reads them: send buffers,
+        since a send completes in the background and is waited for at the end of the step.
     """
     end = _end_of_life([a for _, a in program])
     readers = readers or {}
+    ends = set(until_end)
     lifetimes: dict[BufferKey, tuple[int, int]] = {}
     for i, (keys, _) in enumerate(program):
         for key in keys:
@@ -121,7 +127,7 @@ def build_plan(
                 if (done := end.get(who)) is None or done < i:
                     raise ValueError(f"buffer {key} received at step {i} is never consumed")
                 last = max(last, done)
-            lifetimes[key] = (i, last)
+            lifetimes[key] = (i, len(program) if key in ends else last)
     free: dict[tuple[TensorMeta, ...], list[_Slot]] = {}
     buffers: dict[BufferKey, tuple[torch.Tensor, ...]] = {}
     plan_bytes: dict[str, int] = {}

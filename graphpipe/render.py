@@ -1,9 +1,10 @@
 """Pictures of schedules and timelines: ranks as rows, time on x, one box per action.
 
 The picture follows the figure in DeepSeek DualPipe's README: F, B, I and W boxes in their
-own colours with the micro-batch number inside, an overlapped (F, B) pair as one box split
-into its F half and its B half, stages on the way back of a V (stage >= number of ranks) in a
-darker shade, a legend underneath.
+own colours with the micro-batch number inside (the font fitted to the box), an overlapped
+(F, B) pair as one box split into its F part and its B part in proportion to their costs,
+stages on the way back of a V (stage >= number of ranks) in a darker shade, a legend
+underneath that shows both shades.
 
 Input is any of:
 
@@ -12,8 +13,12 @@ Input is any of:
 * a ``simulate.SimResult``: its ``timeline``;
 * records, simulated or measured: objects or mappings with ``rank``, ``start``, ``end`` and
   one of ``action`` (an ``Action`` or its string), ``label`` (an action string such as
-  ``"0F3"`` or ``"(0F5;7B2)OVERLAP_F_B"``), or ``op`` (``"F"``, ``"B"``, ``"I"``, ``"W"``) with
+  ``"0F3"`` or ``"(0F5;7B2)OVERLAP_F_B"``, or a communication wait ``"wait ..."``, drawn as a
+  grey bar under the row's boxes), or ``op`` (``"F"``, ``"B"``, ``"I"``, ``"W"``) with
   ``microbatch`` and optionally ``stage``.
+
+``render_timelines`` draws several such sources as sections (e.g. measured above simulated)
+on one time axis; ``render_svg`` draws one.
 
 SVG is written by hand (no dependency); PNG needs matplotlib and says so when it is missing.
 """
@@ -28,9 +33,10 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 from graphpipe.ir import Action
+from graphpipe.profile.ranges import WAIT_PREFIX
 from graphpipe.schedules import Placement
 
-__all__ = ["render_svg", "write_picture"]
+__all__ = ["render_svg", "render_timelines", "write_picture"]
 
 # op -> (colour on the way down, colour on the way back)
 _COLOURS: dict[str, tuple[str, str]] = {
@@ -40,6 +46,7 @@ _COLOURS: dict[str, tuple[str, str]] = {
     "W": ("#d7bde8", "#9a69c0"),
 }
 _UNKNOWN = ("#d0d0d0", "#a0a0a0")
+_WAIT = "#8c8c8c"
 _LEGEND = (
     ("F", "forward"),
     ("B", "backward"),
@@ -48,6 +55,10 @@ _LEGEND = (
 )
 
 _ROW, _GAP, _LEFT, _RIGHT, _TOP = 28, 6, 64, 16, 36
+_SECTION = 22  # height of a section's title line
+_MIN_WIDTH, _MAX_WIDTH = 1200, 4800  # automatic width: the range it stays in
+_UNIT_PX = 16  # automatic width: the shortest box gets at least this many pixels
+_FONT, _MIN_FONT, _CHAR_EM = 11.0, 6.0, 0.62  # label font: largest, smallest, width per char
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +66,7 @@ class _Part:
     op: str
     stage: int | None
     microbatch: int | None
+    weight: float = 1.0  # share of the box, relative to the other parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +74,11 @@ class _Box:
     rank: int
     start: float
     end: float
-    parts: tuple[_Part, ...]
+    parts: tuple[_Part, ...]  # empty for a communication wait
+
+    @property
+    def is_wait(self) -> bool:
+        return not self.parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +111,27 @@ def _field(record: Any, name: str) -> Any:
     return getattr(record, name, None)
 
 
-def _parts_of(action: Action) -> tuple[_Part, ...]:
-    return tuple(_Part(p.op.value, p.stage, p.microbatch) for p in action.parts())
+def _parts_of(action: Action, costs: Any) -> tuple[_Part, ...]:
+    parts = action.parts()
+    weights = [1.0] * len(parts)
+    if costs is not None and len(parts) > 1:
+        weights = [max(float(costs.of(p)), 0.0) for p in parts]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(parts)
+    return tuple(
+        _Part(p.op.value, p.stage, p.microbatch, w) for p, w in zip(parts, weights, strict=True)
+    )
 
 
-def _box(record: Any) -> _Box:
+def _box(record: Any, costs: Any = None) -> _Box:
     """One record (simulated or measured) as a box; see the module doc for accepted fields."""
+    rank, start, end = (_field(record, k) for k in ("rank", "start", "end"))
+    if rank is None or start is None or end is None:
+        raise ValueError(f"a timeline record needs rank, start and end: {record!r}")
     action = _field(record, "action")
     label = _field(record, "label")
+    if isinstance(label, str) and label.startswith(WAIT_PREFIX) and action is None:
+        return _Box(int(rank), float(start), float(end), ())
     if isinstance(action, str):
         action = Action.parse(action)
     if action is None and isinstance(label, str):
@@ -111,31 +140,37 @@ def _box(record: Any) -> _Box:
         except ValueError:
             action = None
     if isinstance(action, Action):
-        parts = _parts_of(action)
+        parts = _parts_of(action, costs)
     else:
         op = _field(record, "op")
         if op is None:
             raise ValueError(f"a timeline record needs an action, a label or an op: {record!r}")
         op_name = str(getattr(op, "value", op))
         parts = (_Part(op_name, _field(record, "stage"), _field(record, "microbatch")),)
-    rank, start, end = (_field(record, k) for k in ("rank", "start", "end"))
-    if rank is None or start is None or end is None:
-        raise ValueError(f"a timeline record needs rank, start and end: {record!r}")
     return _Box(int(rank), float(start), float(end), parts)
 
 
+def _default_costs(costs: Any) -> Any:
+    if costs is not None:
+        return costs
+    from graphpipe.simulate import Costs  # local: simulate imports lowering
+
+    return Costs()
+
+
 def _boxes(source: Any, placement: Placement | None, costs: Any) -> list[_Box]:
-    """Boxes from a Schedule, a SimResult or an iterable of records."""
+    """Boxes from a Schedule, a SimResult or an iterable of records. Overlapped pairs are
+    split by ``costs`` (default ``simulate.Costs()``)."""
+    costs = _default_costs(costs)
     if isinstance(source, Mapping):
         # local imports: lowering and simulating are only needed for a bare schedule
         from graphpipe.lower import lower
-        from graphpipe.simulate import Costs, simulate
+        from graphpipe.simulate import simulate
 
-        costs = costs or Costs()
         placement = placement or Placement.from_schedule(source)
         source = simulate(lower(source, placement, durations=costs.of), placement, costs)
     records = getattr(source, "timeline", source)
-    return [_box(r) for r in records]
+    return [_box(r, costs) for r in records]
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,68 +186,127 @@ def _tick_step(span: float) -> float:
     return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
 
 
+def _auto_width(sections: Sequence[tuple[str | None, list[_Box]]]) -> int:
+    """Wide enough that the shortest box gets ``_UNIT_PX`` pixels, within the limits."""
+    boxes = [b for _, bs in sections for b in bs]
+    lengths = [b.end - b.start for b in boxes if not b.is_wait and b.end > b.start]
+    if not lengths:
+        return _MIN_WIDTH
+    span = max(b.end for b in boxes) - min(b.start for b in boxes)
+    want = _LEFT + _RIGHT + span / min(lengths) * _UNIT_PX
+    return int(min(max(want, _MIN_WIDTH), _MAX_WIDTH))
+
+
+def _label(shapes: list[_Rect | _Text], x: float, y: float, w: float, text: str) -> None:
+    """The micro-batch number centred in a box, its font fitted to the box's width; a box
+    too narrow for ``_MIN_FONT`` stays unlabelled."""
+    size = min(_FONT, (w - 2) / (_CHAR_EM * len(text)))
+    if size >= _MIN_FONT:
+        shapes.append(_Text(x + w / 2, y + _ROW / 2, text, round(size, 1)))
+
+
+def _legend(shapes: list[_Rect | _Text], y: float, back_seen: bool, wait_seen: bool) -> float:
+    """The legend at height ``y``; returns the height below it."""
+    lx = _LEFT
+    for op, what in _LEGEND:
+        light, dark = _COLOURS[op]
+        if back_seen:
+            shapes.append(_Rect(lx, y, 9, 14, light))
+            shapes.append(_Rect(lx + 9, y, 9, 14, dark))
+            sw = 18
+        else:
+            shapes.append(_Rect(lx, y, 14, 14, light))
+            sw = 14
+        text = f"{op}: {what}"
+        shapes.append(_Text(lx + sw + 6, y + 7, text, 11, "start"))
+        lx += sw + 20 + 6.2 * len(text)
+    shapes.append(_Rect(lx, y, 7, 14, _COLOURS["F"][0], "#333333", 0.6))
+    shapes.append(_Rect(lx + 7, y, 11, 14, _COLOURS["B"][0], "#333333", 0.6))
+    shapes.append(_Rect(lx, y, 18, 14, "none", "#000000", 1.6))
+    text = "F&B: overlapped pair (split by cost)"
+    shapes.append(_Text(lx + 24, y + 7, text, 11, "start"))
+    lx += 44 + 6.2 * len(text)
+    if wait_seen:
+        shapes.append(_Rect(lx, y + 9, 18, 5, _WAIT, _WAIT, 0.4))
+        shapes.append(_Text(lx + 24, y + 7, "P2P wait", 11, "start"))
+    if back_seen:
+        y += 20
+        shapes.append(
+            _Text(
+                _LEFT,
+                y + 7,
+                "left shade: stage on the way down (stage < ranks); right, darker: on the way "
+                "back of the V",
+                11,
+                "start",
+            )
+        )
+    return y + 28
+
+
 def _layout(
-    boxes: Sequence[_Box], num_ranks: int | None, width: int, title: str | None
+    sections: Sequence[tuple[str | None, list[_Box]]],
+    num_ranks: int | None,
+    width: int,
+    title: str | None,
+    unit: str | None = None,
 ) -> tuple[list[_Rect | _Text], int]:
-    """All shapes in pixel coordinates, and the picture height."""
-    ranks = sorted({b.rank for b in boxes} | set(range(num_ranks or 0)))
-    rows = {r: i for i, r in enumerate(ranks)}
+    """All shapes in pixel coordinates, and the picture height. Every section gets one row
+    per rank; all share one time axis."""
+    every = [b for _, bs in sections for b in bs]
+    ranks = sorted({b.rank for b in every} | set(range(num_ranks or 0)))
     n_ranks = num_ranks or len(ranks)
-    t0 = min((b.start for b in boxes), default=0.0)
-    t1 = max((b.end for b in boxes), default=1.0)
+    t0 = min((b.start for b in every), default=0.0)
+    t1 = max((b.end for b in every), default=1.0)
     span = max(t1 - t0, 1e-9)
     scale = (width - _LEFT - _RIGHT) / span
 
     def x(t: float) -> float:
         return _LEFT + (t - t0) * scale
 
-    def y(rank: int) -> float:
-        return _TOP + rows[rank] * (_ROW + _GAP)
-
     shapes: list[_Rect | _Text] = []
     if title:
         shapes.append(_Text(_LEFT, 20, title, 14, "start"))
-    for r in ranks:
-        shapes.append(_Text(_LEFT - 8, y(r) + _ROW / 2, f"rank {r}", 12, "end"))
-    back_seen = False
-    for b in boxes:
-        left, total = x(b.start), max((b.end - b.start) * scale, 0.5)
-        part_w = total / len(b.parts)
-        for i, p in enumerate(b.parts):
-            back = p.stage is not None and p.stage >= n_ranks
-            back_seen |= back
-            fill = _COLOURS.get(p.op, _UNKNOWN)[back]
-            px = left + i * part_w
-            shapes.append(_Rect(px, y(b.rank), part_w, _ROW, fill))
-            text = "" if p.microbatch is None else str(p.microbatch)
-            if text and part_w >= 7 * len(text) + 2:
-                size = min(11.0, part_w * 0.8)
-                shapes.append(_Text(px + part_w / 2, y(b.rank) + _ROW / 2, text, size))
-        if len(b.parts) > 1:  # one unit: a heavier outline around the split box
-            shapes.append(_Rect(left, y(b.rank), total, _ROW, "none", "#000000", 1.6))
+    back_seen = wait_seen = False
+    top = _TOP
+    for name, boxes in sections:
+        if name:
+            shapes.append(_Text(_LEFT, top + _SECTION / 2 - 2, name, 12, "start"))
+            top += _SECTION
+        rows = {r: top + i * (_ROW + _GAP) for i, r in enumerate(ranks)}
+        for r in ranks:
+            shapes.append(_Text(_LEFT - 8, rows[r] + _ROW / 2, f"rank {r}", 12, "end"))
+        for b in sorted(boxes, key=lambda b: not b.is_wait):  # waits first, boxes on top
+            left, total = x(b.start), max((b.end - b.start) * scale, 0.5)
+            if b.is_wait:
+                wait_seen = True
+                shapes.append(_Rect(left, rows[b.rank] + _ROW - 8, total, 8, _WAIT, _WAIT, 0.4))
+                continue
+            weights = sum(p.weight for p in b.parts)
+            px = left
+            for p in b.parts:
+                part_w = total * p.weight / weights
+                back = p.stage is not None and p.stage >= n_ranks
+                back_seen |= back
+                fill = _COLOURS.get(p.op, _UNKNOWN)[back]
+                shapes.append(_Rect(px, rows[b.rank], part_w, _ROW, fill))
+                if p.microbatch is not None:
+                    _label(shapes, px, rows[b.rank], part_w, str(p.microbatch))
+                px += part_w
+            if len(b.parts) > 1:  # one unit: a heavier outline around the split box
+                shapes.append(_Rect(left, rows[b.rank], total, _ROW, "none", "#000000", 1.6))
+        top += len(ranks) * (_ROW + _GAP)
 
-    axis_y = _TOP + len(ranks) * (_ROW + _GAP) + 4
+    axis_y = top + 4
     step = _tick_step(span)
     for k in range(int(span / step) + 1):
         t = t0 + k * step
         shapes.append(_Rect(x(t), axis_y, 0.1, 5, "#333333", "#333333", 0.5))
         shapes.append(_Text(x(t), axis_y + 16, f"{t:g}", 10))
-    shapes.append(_Text(width - _RIGHT, axis_y + 32, "time", 10, "end"))
-
-    legend_y = axis_y + 44
-    lx = _LEFT
-    entries = [(_COLOURS[op][0], f"{op}: {what}") for op, what in _LEGEND]
-    if back_seen:
-        entries.append((_COLOURS["F"][1], "darker: stages on the way back"))
-    for fill, text in entries:
-        shapes.append(_Rect(lx, legend_y, 14, 14, fill))
-        shapes.append(_Text(lx + 20, legend_y + 7, text, 11, "start"))
-        lx += 28 + 6.2 * len(text)
-    shapes.append(_Rect(lx, legend_y, 7, 14, _COLOURS["F"][0], "#333333", 0.6))
-    shapes.append(_Rect(lx + 7, legend_y, 7, 14, _COLOURS["B"][0], "#333333", 0.6))
-    shapes.append(_Rect(lx, legend_y, 14, 14, "none", "#000000", 1.6))
-    shapes.append(_Text(lx + 20, legend_y + 7, "F&B: overlapped pair", 11, "start"))
-    return shapes, int(legend_y + 28)
+    axis = "time" if not unit else f"time ({unit})"
+    shapes.append(_Text(width - _RIGHT, axis_y + 32, axis, 10, "end"))
+    height = _legend(shapes, axis_y + 44, back_seen, wait_seen)
+    return shapes, int(height)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,27 +334,75 @@ def _svg(shapes: Iterable[_Rect | _Text], width: int, height: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def _shapes(
+    sections: Sequence[tuple[str | None, Any]],
+    placement: Placement | None,
+    costs: Any,
+    title: str | None,
+    width: int | None,
+    num_ranks: int | None,
+    unit: str | None,
+) -> tuple[list[_Rect | _Text], int, int]:
+    boxed = [(name, _boxes(source, placement, costs)) for name, source in sections]
+    if num_ranks is None and placement is not None:
+        num_ranks = placement.num_ranks
+    width = width or _auto_width(boxed)
+    shapes, height = _layout(boxed, num_ranks, width, title, unit)
+    return shapes, width, height
+
+
+def render_timelines(
+    sections: Sequence[tuple[str | None, Any]],
+    placement: Placement | None = None,
+    costs: Any = None,
+    *,
+    title: str | None = None,
+    width: int | None = None,
+    num_ranks: int | None = None,
+    unit: str | None = None,
+) -> str:
+    """Several timelines as SVG text, one section each, above each other on one time axis.
+
+    sections: ``(heading or None, source)`` pairs; a source is what ``render_svg`` takes.
+    costs: splits overlapped pairs in proportion to ``costs.of(F)`` and ``costs.of(B)``
+        (default ``simulate.Costs()``); for a bare Schedule also the simulation's costs.
+    width: pixels; default: wide enough for a label in the shortest box (1200 to 4800).
+    unit: the time unit written on the axis (``"ms"``), none by default.
+    Other arguments as for ``render_svg``.
+    """
+    shapes, width, height = _shapes(sections, placement, costs, title, width, num_ranks, unit)
+    return _svg(shapes, width, height)
+
+
 def render_svg(
     source: Any,
     placement: Placement | None = None,
     costs: Any = None,
     *,
     title: str | None = None,
-    width: int = 1200,
+    width: int | None = None,
     num_ranks: int | None = None,
+    unit: str | None = None,
 ) -> str:
     """The picture of ``source`` (a Schedule, a SimResult or timeline records) as SVG text.
 
-    placement, costs: only for a bare Schedule (defaults: the placement the schedule implies,
-        ``simulate.Costs()``).
+    placement: only for a bare Schedule (default: the placement the schedule implies).
+    costs: for a bare Schedule, the simulation's costs; for every source, the split of
+        overlapped pairs (default ``simulate.Costs()``).
     num_ranks: rows to draw even when idle, and the stage from which boxes are drawn darker
         (the way back of a V); default: the placement's, else the ranks seen.
+    width: pixels; default: wide enough for a label in the shortest box (1200 to 4800).
+    unit: the time unit written on the axis, none by default.
     """
-    boxes = _boxes(source, placement, costs)
-    if num_ranks is None and placement is not None:
-        num_ranks = placement.num_ranks
-    shapes, height = _layout(boxes, num_ranks, width, title)
-    return _svg(shapes, width, height)
+    return render_timelines(
+        [(None, source)],
+        placement,
+        costs,
+        title=title,
+        width=width,
+        num_ranks=num_ranks,
+        unit=unit,
+    )
 
 
 def _write_svg(path: Path, source: Any, **kwargs: Any) -> None:
@@ -279,9 +421,15 @@ def _write_png(path: Path, source: Any, **kwargs: Any) -> None:
             f"writing {path.name} needs matplotlib, which is not installed; "
             "write an SVG instead (a path ending in .svg)"
         ) from None
-    width = kwargs.pop("width", 1200)
-    boxes = _boxes(source, kwargs.pop("placement", None), kwargs.pop("costs", None))
-    shapes, height = _layout(boxes, kwargs.get("num_ranks"), width, kwargs.get("title"))
+    shapes, width, height = _shapes(
+        [(None, source)],
+        kwargs.get("placement"),
+        kwargs.get("costs"),
+        kwargs.get("title"),
+        kwargs.get("width"),
+        kwargs.get("num_ranks"),
+        kwargs.get("unit"),
+    )
     fig = plt.figure(figsize=(width / 100, height / 100), dpi=100)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, width)

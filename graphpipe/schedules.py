@@ -30,6 +30,7 @@ __all__ = [
     "ScheduleKind",
     "dualpipev",
     "one_f_one_b",
+    "resolve_schedule",
     "stage_to_rank",
     "zbv",
 ]
@@ -391,3 +392,35 @@ SCHEDULES: dict[str, ScheduleKind] = {
     )
 }
 """Schedules by name."""
+
+
+def resolve_schedule(
+    schedule: str | Mapping[int, Sequence[Action]], n: int, m: int
+) -> tuple[dict[int, list[Action]], Placement, str]:
+    """``schedule`` (a name in ``SCHEDULES``, or a compute-only ``{rank: [Action, ...]}``) for
+    ``n`` ranks and ``m`` micro-batches: the schedule, its placement and its name, validated
+    (``simulate.validate``; a schedule whose ranks deadlock each other raises too)."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
+        built, placement = SCHEDULES[schedule](n, m)
+        name = schedule
+    elif isinstance(schedule, Mapping):
+        built = {r: list(a) for r, a in schedule.items()}
+        if sorted(built) != list(range(n)):
+            raise ValueError(
+                f"the schedule has ranks {sorted(built)}, but the pipeline has {n} ranks "
+                f"(0 .. {n - 1})"
+            )
+        placement = Placement.from_schedule(built)
+        name = "custom"
+    else:
+        raise TypeError(
+            f"schedule must be a name ({', '.join(sorted(SCHEDULES))}) or a "
+            f"{{rank: [Action, ...]}} mapping, got {type(schedule).__name__}"
+        )
+    from graphpipe.simulate import dataflow, validate
+
+    validate(built, placement, m)
+    dataflow(built, placement)  # raises ScheduleError, with the grid, if ranks deadlock
+    return built, placement, name

@@ -1,21 +1,27 @@
 """Validation and timing of schedules: dependencies, deadlocks, bubble, peak memory.
 
 ``validate`` checks a compute-only schedule. ``simulate`` runs a lowered schedule
-(``lower.lower``) under an execution model that is safe for both gloo and NCCL:
+(``lower.lower``) under the runtime's asynchronous execution model:
 
-* each rank runs its ``Step``s in order; it *issues* step ``k``'s communication batch as soon
-  as its compute ``k-1`` has finished;
-* a batch completes only when every op in it is matched by the peer's op having been issued
-  (a rendezvous, like an NCCL group: a send blocks its batch until the receive is posted),
-  plus ``Costs.p2p`` for the data when the batch is not empty;
-* then the step's compute runs for its cost.
+* each rank runs its ``Step``s in order; it *posts* step ``k``'s batch (sends and receives)
+  as soon as its compute ``k-1`` has finished, and goes on without waiting for it;
+* a message travels once both of its ends are posted, and arrives ``Costs.p2p`` later (and
+  no earlier than the message before it on the same directed rank pair: each rank pair is
+  one FIFO);
+* a compute starts when its rank is free and every message it reads has arrived; sends
+  complete in the background (a rank is done when its sends have arrived).
 
-Messages are matched per channel ``(source stage, destination stage)`` in order: the i-th send
-on a channel meets the i-th receive. A receive without a send, a send never received, a
-channel whose two ends disagree on the micro-batch order, or a compute whose inputs are not
-there yet is a broken dependency; no rank able to progress is a deadlock. Both raise
-``ScheduleError`` with the whole rank x step grid, the failing cells marked ``*cell*`` and one
-line of reason per marked cell.
+With ``p2p = 0`` this is pure dataflow (``dataflow``): an action starts when its inputs are
+done and its rank is free, whatever the batches. With ``p2p > 0``, latency reaches the
+critical path only where the dataflow forces it, provided each receive is posted no later
+than its send (``lower`` times receives with the same costs to make sure of it).
+
+Messages are matched per directed rank pair in order: the i-th message rank A sends to rank B
+is the i-th receive B posts from A. A receive without a send, a send never received, a pair
+whose two ends disagree on the order, or a compute whose inputs are not there yet is a broken
+dependency; no rank able to progress is a deadlock. Both raise ``ScheduleError`` with the
+whole rank x step grid, the failing cells marked ``*cell*`` and one line of reason per marked
+cell.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 from graphpipe.ir import Action, Op
-from graphpipe.lower import Step, channel, matching, peer
+from graphpipe.lower import Step, channel, comms_needed, matching, peer
 from graphpipe.schedules import Placement
+from graphpipe.timing import dataflow_times
 
 __all__ = [
     "Costs",
@@ -35,6 +42,8 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "TimelineRecord",
+    "WaitRecord",
+    "dataflow",
     "format_grid",
     "simulate",
     "validate",
@@ -58,7 +67,7 @@ class Costs:
     I: backward for input gradients only.
     W: the deferred weight-gradient work of one I.
     FB: an overlapped (F, B) pair; None means F + B (no gain from overlapping).
-    p2p: latency added to each non-empty communication batch.
+    p2p: latency of each message, from the moment both of its ends are posted.
     """
 
     F: float = 1.0
@@ -325,6 +334,21 @@ class TimelineRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class WaitRecord:
+    """Time a free rank spent waiting for messages before a compute: rank, start, end, and the
+    receives it waited for."""
+
+    rank: int
+    start: float
+    end: float
+    receives: tuple[Action, ...]
+
+    @property
+    def label(self) -> str:
+        return "wait " + " ".join(map(str, self.receives))
+
+
+@dataclass(frozen=True, slots=True)
 class RankStats:
     """Per-rank figures of a simulated run.
 
@@ -334,6 +358,8 @@ class RankStats:
     peak_activations: most micro-batches whose F ran but whose B/I has not, over the
         rank's stages together.
     peak_pending_w: most I actions waiting for their W at once.
+    recv_wait: the part of idle the rank spent free but waiting for a message (its data not
+        computed yet, or in flight); the rest of idle is the tail after its last action.
     """
 
     rank: int
@@ -342,29 +368,26 @@ class RankStats:
     bubble_fraction: float
     peak_activations: int
     peak_pending_w: int
+    recv_wait: float = 0.0
 
 
 @dataclass(frozen=True)
 class SimResult:
-    """What ``simulate`` found.
+    """What ``simulate`` (or ``dataflow``) found.
 
     makespan: time at which the last rank finishes.
     ranks: per-rank figures, in rank order.
     timeline: one record per compute cell, per rank in program order.
     channel_order: per channel (source stage, destination stage), the micro-batches in the
-        order they cross it (the same on both ends, or simulate raises).
-    rank_edge_fifo_consistent: whether, for every directed rank pair A -> B, the messages
-        (of all channels together) leave A in the order B receives them; if not, one
-        communicator per rank pair could mismatch them and the runtime needs one per channel.
-    rank_edge_mismatches: one line per rank pair whose orders differ.
+        order they cross it.
+    waits: the times a free rank waited for messages.
     """
 
     makespan: float
     ranks: tuple[RankStats, ...]
     timeline: tuple[TimelineRecord, ...]
     channel_order: dict[tuple[int, int], tuple[int, ...]] = field(repr=False)
-    rank_edge_fifo_consistent: bool
-    rank_edge_mismatches: tuple[str, ...] = ()
+    waits: tuple[WaitRecord, ...] = ()
 
     @property
     def bubble_fraction(self) -> float:
@@ -377,8 +400,6 @@ class SimResult:
             "makespan": self.makespan,
             "bubble_fraction": self.bubble_fraction,
             "per_rank": [asdict(r) for r in self.ranks],
-            "rank_edge_fifo_consistent": self.rank_edge_fifo_consistent,
-            "rank_edge_mismatches": list(self.rank_edge_mismatches),
         }
 
 
@@ -386,12 +407,9 @@ class SimResult:
 # simulate
 
 _Lowered = Mapping[int, Sequence[Step]]
-_Slot = tuple[int, int, int]  # (rank, step, position in the step's batch)
-_Wait = tuple[Action, int, int]  # (a comm of the step, the peer rank, the peer's step)
-_Partners = dict[tuple[int, int], list[_Wait]]
-
-
 _Cells = dict[int, list[str]]
+_Edge = tuple[int, int]  # (sending rank, receiving rank)
+_SENDS = (Op.SEND_F, Op.SEND_B)
 
 
 def _cells(lowered: _Lowered) -> _Cells:
@@ -401,25 +419,64 @@ def _cells(lowered: _Lowered) -> _Cells:
 
 
 def simulate(lowered: _Lowered, placement: Placement, costs: Costs | None = None) -> SimResult:
-    """Run ``lowered`` (from ``lower.lower``) under the rendezvous model; see the module doc.
+    """Run ``lowered`` (from ``lower.lower``) under the asynchronous model; see the module doc.
 
     Raises ``ScheduleError`` on a broken dependency or a deadlock.
     """
     costs = costs or Costs()
     cells = _cells(lowered)
     _check_dependencies(lowered, placement, cells)
-    partners, channel_order = _match_channels(lowered, placement, cells)
-    timeline, finish = _run(lowered, costs, partners, cells)
+    edges, channel_order = _match_edges(lowered, placement, cells)
+    timeline, waits, finish = _Run(lowered, placement, costs, edges, cells).run()
     makespan = max(finish.values(), default=0.0)
-    stats = tuple(_rank_stats(r, lowered[r], timeline, makespan) for r in sorted(lowered))
-    mismatches = _rank_edge_mismatches(lowered, placement)
+    stats = tuple(
+        _rank_stats(r, [s.compute for s in lowered[r]], timeline, makespan, waits)
+        for r in sorted(lowered)
+    )
     return SimResult(
         makespan=makespan,
         ranks=stats,
         timeline=tuple(timeline),
         channel_order=channel_order,
-        rank_edge_fifo_consistent=not mismatches,
-        rank_edge_mismatches=tuple(mismatches),
+        waits=tuple(waits),
+    )
+
+
+def dataflow(
+    schedule: Mapping[int, Sequence[Action]], placement: Placement, costs: Costs | None = None
+) -> SimResult:
+    """The pure dataflow timing of a compute-only schedule: an action starts when its rank is
+    free and its inputs are done (``costs.p2p`` later when they come from another rank).
+
+    The ideal of the asynchronous runtime: ``simulate(lower(...))`` equals it when receives
+    are posted in time. Raises ``ScheduleError`` when the schedule cannot run to the end.
+    """
+    costs = costs or Costs()
+    times = dataflow_times(schedule, placement, costs.of, costs.p2p)
+    if not times.complete(schedule):
+        cells = {r: [str(a) for a in schedule[r]] for r in schedule}
+        stuck = [
+            (r, len(times.starts[r]), "waits for data that is never computed")
+            for r in sorted(schedule)
+            if len(times.starts[r]) < len(schedule[r])
+        ]
+        raise _error("deadlock: no rank can progress", cells, stuck, "blocked")
+    timeline, waits = [], []
+    for r in sorted(schedule):
+        free = 0.0
+        for a, start, end in zip(schedule[r], times.starts[r], times.ends[r], strict=True):
+            if start > free:
+                waits.append(WaitRecord(r, free, start, comms_needed(a, placement)))
+            timeline.append(TimelineRecord(r, start, end, a))
+            free = end
+    makespan = times.makespan
+    stats = tuple(_rank_stats(r, schedule[r], timeline, makespan, waits) for r in sorted(schedule))
+    return SimResult(
+        makespan=makespan,
+        ranks=stats,
+        timeline=tuple(timeline),
+        channel_order={},
+        waits=tuple(waits),
     )
 
 
@@ -438,116 +495,173 @@ def _check_dependencies(lowered: _Lowered, placement: Placement, cells: _Cells) 
         raise _error("broken dependency:", cells, problems, "broken")
 
 
-def _match_channels(
-    lowered: _Lowered, placement: Placement, cells: _Cells
-) -> tuple[_Partners, dict[tuple[int, int], tuple[int, ...]]]:
-    """Pair the i-th send and the i-th receive of each channel.
+class _Edges:
+    """Messages per directed rank pair, in order: where each is posted at both ends."""
 
-    Returns ``partners[(rank, step)]`` = (comm, peer rank, peer step) for each of the step's
-    comms, and the micro-batch order per channel.
-    """
-    sends: dict[tuple[int, int], list[tuple[_Slot, Action]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[_Slot, Action]]] = defaultdict(list)
+    def __init__(self) -> None:
+        self.sends: dict[_Edge, list[tuple[Action, int]]] = defaultdict(list)  # (send, step)
+        self.recvs: dict[_Edge, list[tuple[Action, int]]] = defaultdict(list)  # (recv, step)
+        self.place: dict[Action, tuple[_Edge, int]] = {}  # a send or a receive -> (edge, i)
+
+
+def _match_edges(
+    lowered: _Lowered, placement: Placement, cells: _Cells
+) -> tuple[_Edges, dict[tuple[int, int], tuple[int, ...]]]:
+    """Pair the i-th message each rank sends to a peer with the i-th receive the peer posts
+    from it; returns the pairing and the micro-batch order per channel."""
+    edges = _Edges()
     for rank in sorted(lowered):
         for k, step in enumerate(lowered[rank]):
-            for i, c in enumerate(step.comms):
-                side = sends if c.op in (Op.SEND_F, Op.SEND_B) else recvs
-                side[channel(c)].append(((rank, k, i), c))
+            for c in step.comms:
+                other = peer(c, placement)
+                if c.op in _SENDS:
+                    edge, side = (rank, other), edges.sends
+                else:
+                    edge, side = (other, rank), edges.recvs
+                edges.place[c] = (edge, len(side[edge]))
+                side[edge].append((c, k))
     problems: list[tuple[int, int, str]] = []
-    partners: _Partners = defaultdict(list)
-    for ch in sorted(set(sends) | set(recvs)):
-        out, into = sends[ch], recvs[ch]
-        for ((sr, sk, _), s), ((rr, rk, _), r) in zip(out, into, strict=False):
+    for edge in sorted(set(edges.sends) | set(edges.recvs)):
+        src, dst = edge
+        out, into = edges.sends[edge], edges.recvs[edge]
+        for i, ((s, sk), (r, rk)) in enumerate(zip(out, into, strict=False)):
             if matching(s) != r:
                 problems += [
-                    (sr, sk, f"channel {ch}: {s} is met by {r} on rank {rr} step {rk}"),
-                    (rr, rk, f"channel {ch}: {r} is met by {s} on rank {sr} step {sk}"),
+                    (
+                        src,
+                        sk,
+                        f"rank {src} -> rank {dst}: message {i} is sent as {s} but rank "
+                        f"{dst} receives it as {r} at its step {rk}",
+                    ),
+                    (
+                        dst,
+                        rk,
+                        f"rank {src} -> rank {dst}: message {i} is received as {r} but "
+                        f"rank {src} sends it as {s} at its step {sk}",
+                    ),
                 ]
-            partners[(sr, sk)].append((s, rr, rk))
-            partners[(rr, rk)].append((r, sr, sk))
-        for (rank, k, _), c in out[len(into) :]:
+        for c, k in out[len(into) :]:
+            problems.append((src, k, f"{c} is never received: rank {dst} posts no {matching(c)}"))
+        for c, k in into[len(out) :]:
             problems.append(
-                (
-                    rank,
-                    k,
-                    f"{c} is never received: rank {peer(c, placement)} posts no {matching(c)}",
-                )
-            )
-        for (rank, k, _), c in into[len(out) :]:
-            problems.append(
-                (
-                    rank,
-                    k,
-                    f"{c} has no matching send: rank {peer(c, placement)} posts no {matching(c)}",
-                )
+                (dst, k, f"{c} has no matching send: rank {src} posts no {matching(c)}")
             )
     if problems:
         raise _error(
             "broken dependency (unmatched or out-of-order messages):", cells, problems, "broken"
         )
-    order = {ch: tuple(c.microbatch for _, c in sends[ch]) for ch in sorted(sends)}
-    return partners, order
+    order: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for edge in sorted(edges.sends):
+        for s, _ in edges.sends[edge]:
+            order[channel(s)].append(s.microbatch)
+    return edges, {ch: tuple(mbs) for ch, mbs in sorted(order.items())}
 
 
-def _run(
-    lowered: _Lowered,
-    costs: Costs,
-    partners: _Partners,
-    cells: _Cells,
-) -> tuple[list[TimelineRecord], dict[int, float]]:
-    """The event loop: advance every rank as far as its batches' peers allow. Returns the
-    compute records and when each rank is done (its last batch included)."""
-    ranks = sorted(lowered)
-    pos = dict.fromkeys(ranks, 0)
-    issued: dict[int, list[float]] = {r: [0.0] for r in ranks}  # issued[r][k]: step k's issue
-    records: list[TimelineRecord] = []
-    progress = True
-    while progress:
-        progress = False
+class _Run:
+    """The event loop of ``simulate``: advance every rank as far as its messages allow."""
+
+    def __init__(
+        self,
+        lowered: _Lowered,
+        placement: Placement,
+        costs: Costs,
+        edges: _Edges,
+        cells: _Cells,
+    ) -> None:
+        self.lowered, self.placement, self.costs = lowered, placement, costs
+        self.edges, self.cells = edges, cells
+        self.posted: dict[Action, float] = {}  # a send or receive -> when it was posted
+        self.arrived: dict[_Edge, list[float]] = defaultdict(list)  # per edge, in order
+
+    def arrival(self, recv: Action) -> float | None:
+        """When ``recv``'s message arrives; None while its send is not posted."""
+        edge, i = self.edges.place[recv]
+        done = self.arrived[edge]
+        while len(done) <= i:
+            j = len(done)
+            send, _ = self.edges.sends[edge][j]
+            other, _ = self.edges.recvs[edge][j]
+            if send not in self.posted or other not in self.posted:
+                return None
+            travel = max(self.posted[send], self.posted[other]) + self.costs.p2p
+            done.append(max(travel, done[-1]) if done else travel)
+        return done[i]
+
+    def run(self) -> tuple[list[TimelineRecord], list[WaitRecord], dict[int, float]]:
+        ranks = sorted(self.lowered)
+        pos = dict.fromkeys(ranks, 0)
+        free = dict.fromkeys(ranks, 0.0)  # when the rank issues its next batch
+        records: list[TimelineRecord] = []
+        waits: list[WaitRecord] = []
+        progress = True
+        while progress:
+            progress = False
+            for r in ranks:
+                steps = self.lowered[r]
+                while pos[r] < len(steps):
+                    step = steps[pos[r]]
+                    for c in step.comms:
+                        self.posted.setdefault(c, free[r])
+                    needs = comms_needed(step.compute, self.placement) if step.compute else ()
+                    arrivals = [self.arrival(c) for c in needs]
+                    if None in arrivals:
+                        break
+                    start = max([free[r], *arrivals])
+                    if start > free[r]:
+                        waits.append(WaitRecord(r, free[r], start, needs))
+                    if step.compute is not None:
+                        end = start + self.costs.of(step.compute)
+                        records.append(TimelineRecord(r, start, end, step.compute))
+                        free[r] = end
+                    pos[r] += 1
+                    progress = True
+        blocked = [r for r in ranks if pos[r] < len(self.lowered[r])]
+        if blocked:
+            raise self._deadlock(blocked, pos)
+        finish = {}
         for r in ranks:
-            while pos[r] < len(lowered[r]):
-                k = pos[r]
-                waits = partners.get((r, k), ())
-                if any(pos[p] < j for _, p, j in waits):
-                    break
-                step = lowered[r][k]
-                start = max([issued[r][k]] + [issued[p][j] for _, p, j in waits])
-                start += costs.p2p if step.comms else 0.0
-                end = start + costs.of(step.compute)
-                if step.compute is not None:
-                    records.append(TimelineRecord(r, start, end, step.compute))
-                issued[r].append(end)
-                pos[r] = k + 1
-                progress = True
-    blocked = [r for r in ranks if pos[r] < len(lowered[r])]
-    if blocked:
+            sends = [c for s in self.lowered[r] for c in s.comms if c.op in _SENDS]
+            finish[r] = max([free[r]] + [self._send_arrival(c) for c in sends])
+        return records, waits, finish
+
+    def _send_arrival(self, send: Action) -> float:
+        edge, i = self.edges.place[send]
+        self.arrival(self.edges.recvs[edge][i][0])
+        return self.arrived[edge][i]
+
+    def _deadlock(self, blocked: list[int], pos: dict[int, int]) -> ScheduleError:
         problems = []
         for r in blocked:
             k = pos[r]
-            for c, p, j in partners.get((r, k), ()):
-                if pos[p] < j:
+            compute = self.lowered[r][k].compute
+            for c in comms_needed(compute, self.placement) if compute else ():
+                if self.arrival(c) is None:
+                    p, j = peer(c, self.placement), pos[peer(c, self.placement)]
+                    cell = self.cells[p][j] if j < len(self.cells[p]) else "the end"
                     problems.append(
                         (
                             r,
                             k,
-                            f"{c} waits for rank {p} to post {matching(c)} at its step {j} "
-                            f"({cells[p][j]}); rank {p} is stuck at step {pos[p]} "
-                            f"({cells[p][pos[p]]})",
+                            f"{c} waits for rank {p} to post {matching(c)}; rank {p} is stuck "
+                            f"at step {j} ({cell})",
                         )
                     )
-        raise _error("deadlock: no rank can progress", cells, problems, "blocked")
-    return records, {r: issued[r][-1] for r in ranks}
+        return _error("deadlock: no rank can progress", self.cells, problems, "blocked")
 
 
 def _rank_stats(
-    rank: int, steps: Sequence[Step], timeline: Sequence[TimelineRecord], makespan: float
+    rank: int,
+    computes: Sequence[Action | None],
+    timeline: Sequence[TimelineRecord],
+    makespan: float,
+    waits: Sequence[WaitRecord] = (),
 ) -> RankStats:
     busy = sum(rec.end - rec.start for rec in timeline if rec.rank == rank)
     live = pending = peak_live = peak_pending = 0
     delta_live = {Op.F: 1, Op.B: -1, Op.I: -1, Op.W: 0}
     delta_pending = {Op.F: 0, Op.B: 0, Op.I: 1, Op.W: -1}
-    for step in steps:
-        for a in step.compute.parts() if step.compute is not None else ():
+    for compute in computes:
+        for a in compute.parts() if compute is not None else ():
             live += delta_live[a.op]
             pending += delta_pending[a.op]
             peak_live = max(peak_live, live)
@@ -560,31 +674,5 @@ def _rank_stats(
         bubble_fraction=idle / makespan if makespan > 0 else 0.0,
         peak_activations=peak_live,
         peak_pending_w=peak_pending,
+        recv_wait=sum(w.end - w.start for w in waits if w.rank == rank),
     )
-
-
-def _rank_edge_mismatches(lowered: _Lowered, placement: Placement) -> list[str]:
-    """Per directed rank pair A -> B: A's send order vs B's receive order, all kinds mixed."""
-    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    got: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    for rank in sorted(lowered):
-        for step in lowered[rank]:
-            for c in step.comms:
-                if c.op in (Op.SEND_F, Op.SEND_B):
-                    sent[(rank, peer(c, placement))].append(matching(c))
-                else:
-                    got[(peer(c, placement), rank)].append(c)
-    out = []
-    for a, b in sorted(set(sent) | set(got)):
-        s, g = sent[(a, b)], got[(a, b)]
-        if s != g:
-            i = next(
-                (i for i, (x, y) in enumerate(zip(s, g, strict=False)) if x != y),
-                min(len(s), len(g)),
-            )
-            want = s[i] if i < len(s) else "nothing"
-            have = g[i] if i < len(g) else "nothing"
-            out.append(
-                f"rank {a} -> rank {b}: message {i} is sent for {want} but received as {have}"
-            )
-    return out

@@ -27,7 +27,16 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["Progress", "add_parser", "default_layers", "default_microbatches", "run"]
+__all__ = [
+    "Progress",
+    "RankRun",
+    "add_model_options",
+    "add_parser",
+    "build_rank",
+    "default_layers",
+    "default_microbatches",
+    "run",
+]
 
 # The settings a resumed run must share with the checkpoint (they decide the numerics).
 _RESUME_MUST_MATCH = (
@@ -41,6 +50,7 @@ _RESUME_MUST_MATCH = (
     "data",
     "dtype",
     "no_kernels",
+    "dp",
 )
 
 
@@ -124,48 +134,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="train the built-in byte-level Llama with DualPipeV",
         description=(
             "Train graphpipe's built-in Llama-style byte-level model with the DualPipeV "
-            "schedule. Without torchrun it spawns --ranks local processes (gloo on CPU, NCCL "
-            "with --device cuda, one GPU per rank); under torchrun it joins torchrun's world "
-            "(torchrun --nproc-per-node N -m graphpipe train ...). Data: the Python standard "
-            "library's own source files, or --data FILE. Every argument is checked before any "
-            "rank starts; Ctrl-C stops every rank (exit status 130)."
+            "schedule. Without torchrun it spawns --ranks x --dp local processes (gloo on CPU, "
+            "NCCL with --device cuda, one GPU per rank); under torchrun it joins torchrun's "
+            "world (torchrun --nproc-per-node N -m graphpipe train ...). Data: the Python "
+            "standard library's own source files, or --data FILE. Every argument is checked "
+            "before any rank starts; Ctrl-C stops every rank (exit status 130)."
         ),
     )
+    add_model_options(p)
     p.add_argument(
-        "--ranks",
+        "--dp",
         type=int,
-        default=2,
-        metavar="N",
-        help="pipeline ranks to spawn (default 2; under torchrun its WORLD_SIZE decides)",
-    )
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        metavar="M",
-        help="micro-batches per step, at least 2N; they split --batch-size evenly (default "
-        "4N, or the smallest divisor of --batch-size that is at least 2N: 8 for N=3)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=16,
-        help="sequences per step, a multiple of --microbatches (default 16)",
-    )
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="decoder layers, at least 2N-2 so that every middle stage gets one "
-        "(default max(4, 2N-2): 4 for N <= 3)",
-    )
-    p.add_argument(
-        "--heads",
-        type=int,
-        default=4,
-        help="attention heads; --hidden / --heads must be even (default 4)",
+        default=1,
+        help="data-parallel replicas of the pipeline: world = ranks x dp, the batch is split "
+        "across them (default 1)",
     )
     p.add_argument(
         "--steps",
@@ -174,46 +156,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="train until this global step (default 100)",
     )
     p.add_argument(
-        "--lr",
-        type=float,
-        default=3e-3,
-        help="AdamW learning rate (default 3e-3; also applied to a resumed optimizer)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
-    p.add_argument(
-        "--data",
-        default=None,
-        metavar="FILE",
-        help="a text file to train on (default: the Python standard library's *.py files)",
-    )
-    p.add_argument(
         "--metrics",
         default=None,
         metavar="FILE",
         help="write one JSON line per step here: step (global), loss, step_time_s, "
         "tokens_per_s (a resumed run keeps the rows up to its checkpoint and appends)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default cpu)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="bfloat16 runs the stages under torch.autocast (default float32)",
-    )
-    p.add_argument(
-        "--capture",
-        choices=("none", "step", "action"),
-        default="none",
-        help="capture the step after one eager warmup step: CUDA graphs per step or per "
-        "action on GPU, the static replay on CPU (default none)",
-    )
-    p.add_argument(
-        "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
     )
     p.add_argument(
         "--checkpoint-dir",
@@ -247,32 +194,114 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace) -> str | None:
-    """The first problem with the arguments, as a one-line message (None when fine).
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model, data and pipeline options that ``train`` shares with ``profile``."""
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        metavar="N",
+        help="pipeline ranks to spawn (default 2; under torchrun its WORLD_SIZE decides)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="micro-batches per step, at least 2N; they split each replica's share of "
+        "--batch-size evenly (default 4N, or the smallest divisor of that share that is at "
+        "least 2N: 8 for N=3)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="sequences per step, a multiple of --microbatches (default 16)",
+    )
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers, at least 2N-2 so that every middle stage gets one "
+        "(default max(4, 2N-2): 4 for N <= 3)",
+    )
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=4,
+        help="attention heads; --hidden / --heads must be even (default 4)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="AdamW learning rate (default 3e-3; also applied to a resumed optimizer)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="a text file to train on (default: the Python standard library's *.py files)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16 runs the stages under torch.autocast (default float32)",
+    )
+    p.add_argument(
+        "--capture",
+        choices=("none", "step", "action"),
+        default="none",
+        help="capture the step after one eager warmup step: CUDA graphs per step or per "
+        "action on GPU, the static replay on CPU (default none)",
+    )
+    p.add_argument(
+        "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
+    )
 
-    Fills in the defaults that depend on others (``microbatches``, ``layers``) and
-    ``resume_from`` (the checkpoint to continue from, or None).
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The first problem with the model, data and device options, as a one-line message
+    (None when fine); ``graphpipe profile`` uses it too.
+
+    Fills in the defaults that depend on others (``microbatches``, ``layers``).
     """
-    for name in ("ranks", "batch_size", "seq_len", "hidden", "heads", "steps", "keep_checkpoints"):
+    for name in ("ranks", "batch_size", "seq_len", "hidden", "heads"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("microbatches", "layers", "checkpoint_every"):
+    for name in ("microbatches", "layers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    dp = getattr(args, "dp", 1)
+    if dp < 1:
+        return f"--dp must be >= 1, got {dp}"
     n = args.ranks
+    per = f" on each of --dp {dp} replicas" if dp > 1 else ""
+    if args.batch_size % dp:
+        return f"--batch-size {args.batch_size} does not split evenly over --dp {dp} replicas"
     m = args.microbatches
     if m is None:
-        m = default_microbatches(n, args.batch_size)
+        m = default_microbatches(n, args.batch_size // dp)
     if m is None:
         return (
             f"--batch-size {args.batch_size} does not split into 2 * --ranks = {2 * n} or more "
-            f"equal micro-batches; pass a --batch-size that is a multiple of {2 * n}"
+            f"equal micro-batches{per}; pass a --batch-size that is a multiple of {2 * n * dp}"
         )
     if m < 2 * n:
         return f"--microbatches must be >= 2 * --ranks = {2 * n}, got {m}"
-    if args.batch_size % m:
-        return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches"
+    if args.batch_size % (dp * m):
+        return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches{per}"
     layers = args.layers if args.layers is not None else default_layers(n)
     if layers < 2 * n - 2:
         return (
@@ -288,36 +317,23 @@ def _check(args: argparse.Namespace) -> str | None:
         )
     if not (math.isfinite(args.lr) and args.lr > 0):
         return f"--lr must be a positive number, got {args.lr}"
-    problem = _check_files(args) or _check_device(args)
+    problem = _check_data(args) or _check_device(args)
     if problem is not None:
         return problem
     args.microbatches, args.layers = m, layers
-    return _check_checkpoints(args)
+    return None
 
 
-def _check_files(args: argparse.Namespace) -> str | None:
-    if args.data is not None:
-        if not os.path.isfile(args.data):
-            return f"--data {args.data}: no such file"
-        size = os.path.getsize(args.data)
-        if size < args.seq_len + 1:
-            return (
-                f"--data {args.data} holds {size} bytes, fewer than --seq-len + 1 = "
-                f"{args.seq_len + 1}"
-            )
-    if args.metrics is not None:
-        parent = os.path.dirname(os.path.abspath(args.metrics))
-        if os.path.isdir(args.metrics):
-            return f"--metrics {args.metrics} is a directory; give a file name"
-        if not os.path.isdir(parent):
-            return f"--metrics {args.metrics}: directory {parent} does not exist"
-    if args.checkpoint_dir is None:
-        if args.checkpoint_every is not None:
-            return "--checkpoint-every needs --checkpoint-dir"
-        if args.resume:
-            return "--resume needs --checkpoint-dir"
-    elif os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        return f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
+def _check_data(args: argparse.Namespace) -> str | None:
+    if args.data is None:
+        return None
+    if not os.path.isfile(args.data):
+        return f"--data {args.data}: no such file"
+    size = os.path.getsize(args.data)
+    if size < args.seq_len + 1:
+        return (
+            f"--data {args.data} holds {size} bytes, fewer than --seq-len + 1 = {args.seq_len + 1}"
+        )
     return None
 
 
@@ -326,7 +342,7 @@ def _check_device(args: argparse.Namespace) -> str | None:
         return None
     if not torch.cuda.is_available():
         return f"--device cuda: CUDA is not available to this torch ({torch.__version__})"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks * getattr(args, "dp", 1)))
     if local > torch.cuda.device_count():
         return (
             f"--device cuda needs one GPU per rank: {local} ranks on this machine, "
@@ -339,17 +355,46 @@ def _check_device(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_train(args: argparse.Namespace) -> str | None:
+    """``_check`` plus what only ``graphpipe train`` has: steps, metrics, checkpoints.
+
+    Also sets ``resume_from`` / ``resume_step`` (the checkpoint to continue from, or None / 0).
+    """
+    args.resume_from, args.resume_step = None, 0
+    for name in ("steps", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        return f"--checkpoint-every must be >= 1, got {args.checkpoint_every}"
+    problem = _check(args)
+    if problem is not None:
+        return problem
+    if args.metrics is not None:
+        parent = os.path.dirname(os.path.abspath(args.metrics))
+        if os.path.isdir(args.metrics):
+            return f"--metrics {args.metrics} is a directory; give a file name"
+        if not os.path.isdir(parent):
+            return f"--metrics {args.metrics}: directory {parent} does not exist"
+    if args.checkpoint_dir is None:
+        if args.checkpoint_every is not None:
+            return "--checkpoint-every needs --checkpoint-dir"
+        if args.resume:
+            return "--resume needs --checkpoint-dir"
+        return None
+    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        return f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
+    return _check_checkpoints(args)
+
+
 def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
     data = os.path.abspath(args.data) if args.data is not None else None
-    return {**{k: getattr(args, k) for k in _RESUME_MUST_MATCH}, "data": data}
+    settings = {k: getattr(args, k, 1) for k in _RESUME_MUST_MATCH}
+    return {**settings, "data": data}
 
 
 def _check_checkpoints(args: argparse.Namespace) -> str | None:
     from .checkpoint import checkpoint_info, latest_checkpoint
 
-    args.resume_from, args.resume_step = None, 0
-    if args.checkpoint_dir is None:
-        return None
     latest = latest_checkpoint(args.checkpoint_dir)
     if latest is None:
         return None
@@ -359,10 +404,11 @@ def _check_checkpoints(args: argparse.Namespace) -> str | None:
             f"{latest.name}); pass --resume to continue from it, or choose another directory"
         )
     info = checkpoint_info(latest)
-    if info["world_size"] != args.ranks:
+    world = args.ranks * args.dp
+    if info["world_size"] != world:
         return (
             f"--resume: {latest} was saved by {info['world_size']} ranks, "
-            f"this run has --ranks {args.ranks}"
+            f"this run has --ranks {args.ranks}" + (f" x --dp {args.dp}" if args.dp > 1 else "")
         )
     saved, mine = info["meta"] or {}, _model_settings(args)
     for key in _RESUME_MUST_MATCH:
@@ -381,9 +427,14 @@ def run(args: argparse.Namespace) -> int:
     """``graphpipe train``: check the arguments, then spawn (or join torchrun's) ranks."""
     from .launch import joined_torchrun, launch
 
-    if joined_torchrun():
-        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
-    problem = _check(args)
+    problem = None
+    if joined_torchrun():  # torchrun's world decides: WORLD_SIZE = ranks x dp
+        world = int(os.environ["WORLD_SIZE"])
+        if args.dp < 1 or world % args.dp:
+            problem = f"--dp {args.dp} does not divide WORLD_SIZE {world}"
+        else:
+            args.ranks = world // args.dp
+    problem = problem or _check_train(args)
     if problem is not None:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine under torchrun
             print(f"graphpipe train: error: {problem}", file=sys.stderr)
@@ -396,8 +447,124 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
-    launch(_train_rank, args.ranks, args.device, opts)
+    launch(_train_rank, args.ranks * args.dp, args.device, opts)
     return 0
+
+
+class RankRun:
+    """One rank's training state (pipeline, AdamW, rank 0's batches) and its step, as
+    ``graphpipe train`` runs it; ``graphpipe profile`` runs the same.
+
+    ``stages``: this rank's stages by global stage index; ``loader``: the data iterator
+    (``ByteBatchIterator``) on each replica's first pipeline rank, else None;
+    ``share``: ``(d, D)``, this replica's index and the number of replicas (each takes the
+    d-th ``1/D`` of every batch).
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        opt: torch.optim.Optimizer,
+        loader: Any,
+        opts: dict,
+        device: torch.device,
+        *,
+        stages: dict[int, Any] | None = None,
+        share: tuple[int, int] = (0, 1),
+    ) -> None:
+        self.pipe, self.opt, self.loader, self.device = pipe, opt, loader, device
+        self.stages = stages or {}
+        self.share = share
+        self.capture = False if opts["capture"] == "none" else opts["capture"]
+        self.autocast = opts["dtype"] == "bfloat16"
+
+    def next_batch(self) -> tuple[Any, Any]:
+        """The next ``(inputs, labels)`` on a replica's first rank, ``(None, None)`` elsewhere."""
+        if self.loader is None:
+            return None, None
+        x, y = next(self.loader)
+        d, dp = self.share
+        if dp > 1:  # every replica draws the same global batches and takes its share
+            rows = x.shape[0] // dp
+            x, y = x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows]
+        return x, y
+
+    def step(self, x: Any, y: Any) -> torch.Tensor:
+        """One training step: zero the gradients, ``pipe.step``, ``opt.step``; the loss."""
+        # A captured step accumulates into static .grad tensors: zero them in place.
+        self.opt.zero_grad(set_to_none=self.capture is False)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.pipe.step(x, y)
+        self.opt.step()
+        return loss
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+def build_rank(
+    rank: int, world: int, device: torch.device, opts: dict, prog: str = "graphpipe train"
+) -> RankRun:
+    """This rank's stages of the built-in model, its pipeline and optimizer, from the
+    options of ``add_model_options``; rank 0 prints one line about the run as ``prog``.
+
+    With ``opts["dp"] = D > 1`` the world is a ``("dp", "pp")`` mesh of D replicas of a
+    ``world / D``-rank pipeline (global rank ``d * N + p``); each replica's first rank takes
+    its ``1/D`` share of every batch."""
+    from . import DualPipeV
+    from .data import ByteBatches, load_text_bytes
+    from .models import LlamaConfig, LlamaLoss, build_stages, num_parameters, unique_parameters
+
+    opts = dict(opts)
+    dp = opts.get("dp", 1)
+    n, d, p = world // dp, rank // (world // dp), rank % (world // dp)
+    groups = _mesh_groups(device, dp, n) if dp > 1 else {}
+    if opts.get("microbatches") is None:
+        opts["microbatches"] = default_microbatches(n, opts["batch_size"] // dp) or 4 * n
+    if opts.get("layers") is None:
+        opts["layers"] = default_layers(n)
+    cfg = LlamaConfig(
+        hidden=opts["hidden"],
+        n_layers=opts["layers"],
+        n_heads=opts["heads"],
+        max_seq_len=opts["seq_len"],
+        use_kernels=not opts["no_kernels"],
+    )
+    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device)
+    mine = {p: stages[p], 2 * n - 1 - p: stages[2 * n - 1 - p]}
+    loss_fn = LlamaLoss(cfg.use_kernels)
+    capture = False if opts["capture"] == "none" else opts["capture"]
+    pipe = DualPipeV(
+        tuple(mine.values()),
+        num_microbatches=opts["microbatches"],
+        loss_fn=loss_fn,
+        capture=capture,
+        **groups,
+    )
+    opt = torch.optim.AdamW(unique_parameters(mine.values()), lr=opts["lr"])
+    loader = None
+    if p == 0:
+        data = load_text_bytes(opts["data"])
+        loader = iter(ByteBatches(data, opts["batch_size"], opts["seq_len"], seed=opts["seed"]))
+    if rank == 0:
+        print(
+            f"{prog}: {n} ranks x 2 stages"
+            + (f" x {dp} replicas" if dp > 1 else "")
+            + f", {opts['layers']} layers, {opts['microbatches']} micro-batches, "
+            f"{num_parameters(stages):,} parameters, {len(data):,} bytes of "
+            f"{opts['data'] or 'Python stdlib source'}, device {device.type}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return RankRun(pipe, opt, loader, opts, device, stages=mine, share=(d, dp))
+
+
+def _mesh_groups(device: torch.device, dp: int, n: int) -> dict:
+    """``group`` and ``dp_group`` of this rank in a ``("dp", "pp")`` mesh of ``dp`` x ``n``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dp, n), mesh_dim_names=("dp", "pp"))
+    return {"group": mesh.get_group("pp"), "dp_group": mesh.get_group("dp")}
 
 
 def _exit_for_test(rank: int, step: int) -> None:
@@ -431,47 +598,14 @@ def _open_metrics(path: str, resumed_step: int) -> TextIO:
 
 
 def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
-    from . import DualPipeV
     from .checkpoint import load_checkpoint, save_checkpoint
-    from .data import ByteBatches, load_text_bytes
-    from .models import LlamaConfig, LlamaLoss, build_stages, num_parameters, unique_parameters
 
-    cfg = LlamaConfig(
-        hidden=opts["hidden"],
-        n_layers=opts["layers"],
-        n_heads=opts["heads"],
-        max_seq_len=opts["seq_len"],
-        use_kernels=not opts["no_kernels"],
-    )
-    stages = build_stages(cfg, 2 * world, seed=opts["seed"], device=device)
-    mine = {rank: stages[rank], 2 * world - 1 - rank: stages[2 * world - 1 - rank]}
-    loss_fn = LlamaLoss(cfg.use_kernels)
-    capture = False if opts["capture"] == "none" else opts["capture"]
-    pipe = DualPipeV(
-        tuple(mine.values()),
-        num_microbatches=opts["microbatches"],
-        loss_fn=loss_fn,
-        capture=capture,
-    )
-    opt = torch.optim.AdamW(unique_parameters(mine.values()), lr=opts["lr"])
-    batches = None
-    extra: dict[str, Any] = {}
-    if rank == 0:
-        data = load_text_bytes(opts["data"])
-        batches = iter(ByteBatches(data, opts["batch_size"], opts["seq_len"], seed=opts["seed"]))
-        extra["data"] = batches
-        print(
-            f"graphpipe train: {world} ranks x 2 stages, {opts['layers']} layers, "
-            f"{opts['microbatches']} micro-batches, {num_parameters(stages):,} parameters, "
-            f"{len(data):,} bytes of {opts['data'] or 'Python stdlib source'}, "
-            f"device {device.type}",
-            file=sys.stderr,
-            flush=True,
-        )
+    run = build_rank(rank, world, device, opts)
+    extra = {"data": run.loader} if run.loader is not None else {}
     start = 0
     if opts["resume_from"] is not None:
-        start = load_checkpoint(opts["resume_from"], mine, opt, extra=extra)
-        for group in opt.param_groups:
+        start = load_checkpoint(opts["resume_from"], run.stages, run.opt, extra=extra)
+        for group in run.opt.param_groups:
             group["lr"] = opts["lr"]
         if rank == 0:
             print(
@@ -481,19 +615,6 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
             )
     every = opts["checkpoint_every"]
     meta = _model_settings(argparse.Namespace(**opts))
-
-    def save(step: int) -> None:
-        save_checkpoint(
-            opts["checkpoint_dir"],
-            step,
-            mine,
-            opt,
-            extra=extra,
-            keep=opts["keep_checkpoints"],
-            meta=meta,
-        )
-
-    autocast = opts["dtype"] == "bfloat16"
     tokens = opts["batch_size"] * opts["seq_len"]
     progress = Progress(opts["steps"], first=start + 1) if rank == 0 else None
     out = _open_metrics(opts["metrics"], start) if rank == 0 and opts["metrics"] else None
@@ -501,13 +622,9 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
     try:
         for step in range(start + 1, opts["steps"] + 1):
             _exit_for_test(rank, step)
-            x, y = next(batches) if batches is not None else (None, None)
+            x, y = run.next_batch()
             t0 = time.perf_counter()
-            # A captured step accumulates into static .grad tensors: zero them in place.
-            opt.zero_grad(set_to_none=capture is False)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = pipe.step(x, y)
-            opt.step()
+            loss = run.step(x, y)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -519,13 +636,21 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
             if opts["checkpoint_dir"] and (step == opts["steps"] or (every and step % every == 0)):
-                save(step)
+                save_checkpoint(
+                    opts["checkpoint_dir"],
+                    step,
+                    run.stages,
+                    run.opt,
+                    extra=extra,
+                    keep=opts["keep_checkpoints"],
+                    meta=meta,
+                )
             if progress is not None:
                 progress.update(
                     step, f"loss {value:.3f} | {tokens / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/step"
                 )
     finally:
-        pipe.close()
+        run.close()
         if out is not None:
             out.close()
     if progress is not None:

@@ -18,14 +18,17 @@ worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable"]
+__all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable", "no_defer"]
+
+_NO_DEFER = "_graphpipe_no_defer"
 
 
 class WeightGradStore:
@@ -34,11 +37,14 @@ class WeightGradStore:
     __slots__ = ("_key", "_pending", "split")
 
     def __init__(self) -> None:
-        self._pending: dict[Hashable, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = {}
+        self._pending: dict[Hashable, list[tuple[Callable[..., None], tuple]]] = {}
         self._key: Hashable | None = None
         # Whether forwards run now may have their backward split into I + W. The executor
         # clears it for micro-batches whose backward is a full B, which then use plain
-        # F.linear autograd (cheaper than the custom Function on the host).
+        # F.linear autograd (cheaper than the custom Function on the host). It sets it again
+        # before each backward, to the value of that micro-batch's forward: an activation
+        # checkpoint recomputes the forward during the backward, and the recompute must take
+        # the same path (the two paths save different tensors: x and W, or x and W^T).
         self.split = True
 
     @contextmanager
@@ -53,10 +59,13 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def _stash(self, module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    def defer(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Inside an ``I`` action: stash ``fn(*args)`` (weight-gradient work that accumulates
+        into ``.grad``) for its ``W`` and return True. Elsewhere return False: the caller runs
+        the work now. The hook for custom layers (see ``make_deferrable``)."""
         if self._key is None:
             return False
-        self._pending[self._key].append((module, x, grad_out))
+        self._pending[self._key].append((fn, args))
         return True
 
     def run(self, key: Hashable) -> int:
@@ -71,8 +80,8 @@ class WeightGradStore:
         # stage), and grad_out^T @ x would then build a graph into .grad, keeping the
         # micro-batch's activations alive and leaving .grad with requires_grad=True.
         with torch.no_grad():
-            for module, x, g in work:
-                _accumulate_weight_grad(module, x, g)
+            for fn, args in work:
+                fn(*args)
         return len(work)
 
     def pending(self) -> list[Hashable]:
@@ -123,7 +132,7 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        if not need_w or ctx.store._stash(ctx.module, x, g):
+        if not need_w or ctx.store.defer(_accumulate_weight_grad, ctx.module, x, g):
             return gx, None, None, None, None
         gw, gb = _weight_grads(x, g, ctx.needs_input_grad[2])
         return gx, gw if ctx.needs_input_grad[1] else None, gb, None, None
@@ -154,17 +163,48 @@ class DeferrableLinear(nn.Linear):
         return _LinearFn.apply(x, weight, bias, self, store)
 
 
-def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
-    """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``.
+def no_defer(module: nn.Module) -> nn.Module:
+    """Mark ``module`` (and everything inside it) to keep its ``nn.Linear`` layers as they are:
+    a pipeline built afterwards does not switch them to ``DeferrableLinear``, so their weight
+    gradients are computed during ``I`` like any other parameter's. Returns ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"no_defer takes an nn.Module, got {type(module).__name__}")
+    object.__setattr__(module, _NO_DEFER, True)
+    return module
 
-    Subclasses of ``nn.Linear`` are left alone (their forward may differ). Returns the number
-    of Linear layers now deferrable.
+
+def _unmarked_modules(module: nn.Module) -> Iterator[nn.Module]:
+    """``module.modules()`` without the subtrees marked by ``no_defer`` (each module once)."""
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or m.__dict__.get(_NO_DEFER, False):
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(reversed(list(m.children())))
+
+
+def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
+    """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``,
+    and hand ``store`` to every submodule with a ``bind_weight_grad_store(store)`` method.
+
+    Subclasses of ``nn.Linear`` and modules marked by ``no_defer`` (with their contents) are
+    left alone. A custom layer
+    defers its weight-gradient work by binding the store and, in its backward, calling
+    ``store.defer(fn, *args)`` (which stashes ``fn(*args)`` for the ``W`` action and returns
+    True during an ``I``, and returns False otherwise: then it runs the work at once).
+    Returns the number of layers now deferrable.
     """
     count = 0
-    for m in module.modules():
+    for m in _unmarked_modules(module):
         if type(m) is nn.Linear:
             m.__class__ = DeferrableLinear
         if type(m) is DeferrableLinear:
             m.__dict__["_wgrad_store"] = store
+            count += 1
+        elif callable(bind := getattr(m, "bind_weight_grad_store", None)):
+            bind(store)
             count += 1
     return count

@@ -122,6 +122,8 @@ def test_report_and_plot(result: tuple[dict, Path, str]) -> None:
     text = svg.read_text()
     assert text.startswith("<svg") and text.rstrip().endswith("</svg>")
     assert "measured" in text and "simulated" in text and "rank 1" in text
+    # one time axis per regime, shared by its measured and simulated timelines
+    assert text.count(">time (ms)</text>") == len(data["regimes"])
 
 
 def test_bad_arguments_exit_with_a_message() -> None:
@@ -171,3 +173,28 @@ def test_bench_world_runs_steps_on_every_rank() -> None:
         assert set(names) | set(skipped) == set(bench.MODES)
         for name in names:
             assert world.step(name) > 0
+
+
+def test_synthetic_regime_measures_each_schedule_against_its_dataflow_ideal(tmp_path) -> None:
+    js = tmp_path / "synthetic.json"
+    argv = ["--regime", "synthetic", "--ranks", "2", "--steps", "2", "--warmup", "1"]
+    argv += ["--costs", "F=2,B=4,I=2,W=2", "--microbatches", "4", "--json", str(js)]
+    args = _parse(argv)
+    assert args.func(args) == 0
+    rows = json.loads(js.read_text())["synthetic"]
+    assert [r["schedule"] for r in rows] == ["1f1b", "dualpipev", "zbv"]
+    for r in rows:
+        assert r["ranks"] == 2 and r["microbatches"] == 4
+        assert len(r["step_times_s"]) == 2 and all(t > 0 for t in r["step_times_s"])
+        assert r["measured_over_ideal"] == pytest.approx(r["measured_step_s"] / r["ideal_step_s"])
+    # 1F1B's dataflow makespan is the textbook (M + N - 1)(F + B): (4 + 1) * 6 ms
+    assert rows[0]["ideal_step_s"] == pytest.approx(0.030)
+    # every sleep really happens: no schedule beats its ideal
+    assert all(r["measured_step_s"] >= r["ideal_step_s"] for r in rows)
+
+
+def test_synthetic_regime_rejects_bad_costs(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parse(["--regime", "synthetic", "--costs", "F=fast"])
+    assert info.value.code == 2
+    assert "bad cost 'F=fast'" in capsys.readouterr().err

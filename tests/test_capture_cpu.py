@@ -10,6 +10,8 @@ from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
 
+RECEIVED = ("recv_activation", "recv_grad", "recv_packet")
+
 
 def _twin_pipelines(rank: int, world: int, m: int, **kw):
     import graphpipe
@@ -67,20 +69,18 @@ def _bitwise_case(rank: int, world: int, m: int, rows: int, steps: int, tuple_io
         opt_e.step()
         opt_c.step()
     plan = captured.plan
-    packets = {id(sp.packet): sp.packet for specs, _ in captured._train_program for sp in specs}
-    packets.pop(id(None), None)
+    packets = [t for t in [*captured._train.sends, *captured._train.recvs] if t.packable()]
     return {
         "packets": len(packets),
         "packets_on_plan": all(
-            p.static is not None and p.static.data_ptr() in plan.data_ptrs()
-            for p in packets.values()
+            p.static is not None and p.static.data_ptr() in plan.data_ptrs() for p in packets
         ),
         "mismatches": mismatches,
         "allocs_after_plan": allocs_after_plan,
         "planned": sum(plan.nbytes().values()),
         "naive": sum(plan.naive_nbytes().values()),
-        "p2p_planned": plan.nbytes()["recv_activation"] + plan.nbytes()["recv_grad"],
-        "p2p_naive": plan.naive_nbytes()["recv_activation"] + plan.naive_nbytes()["recv_grad"],
+        "p2p_planned": sum(plan.nbytes()[k] for k in RECEIVED),
+        "p2p_naive": sum(plan.naive_nbytes()[k] for k in RECEIVED),
         "record": len(captured.record.activations),
     }
 
@@ -136,7 +136,7 @@ def _recapture_case(rank: int, world: int) -> dict:
         x, y = batch(rows, seed=rows)
         xs, ys = (x, y) if rank == 0 else (None, None)
         problems += [f"{rows} rows: {p}" for p in twin_step(eager, es, captured, cs, xs, ys)]
-    return {"problems": problems, "captures": len(captured._captures)}
+    return {"problems": problems, "captures": len(captured._capture.captures)}
 
 
 def test_recapture_keeps_one_plan_per_signature():

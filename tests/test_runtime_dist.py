@@ -22,11 +22,11 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
         mine,
         num_microbatches=case["m"],
         loss_fn=mse,
-        per_channel_groups=case.get("per_channel", False),
+        per_edge_groups=case.get("per_edge", False),
     )
     # The NCCL way of the first step (handshake over the control group through host memory,
     # then one warm-up exchange per channel), exercised here over gloo.
-    pipe._stage_handshake = case.get("staged", False)
+    pipe.engine.staged = case.get("staged", False)
     x, y = batch(case["rows"])
     losses = []
     for _ in range(case.get("steps", 1)):
@@ -41,7 +41,7 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
         for name, p in m.named_parameters(remove_duplicate=False)
     }
     out = pipe.forward(x if rank == 0 else None)
-    packed = sum(sp.packet is not None for specs, _ in pipe._train_program for sp in specs)
+    packed = sum(t.packable() for t in [*pipe._train.sends, *pipe._train.recvs])
     return {"losses": losses, "grads": grads, "out": out, "packed": packed}
 
 
@@ -65,7 +65,7 @@ def _check(world: int, case: dict, per_rank: list[dict]) -> None:
     # every parameter of every stage was checked on some rank
     checked = {k for res in per_rank for k in res["grads"]}
     assert checked == set(ref_grads)
-    if world > 1 and case.get("steps", 1) > 1 and not case.get("per_channel"):
+    if world > 1 and case.get("steps", 1) > 1:
         # later steps sent several messages per peer as one packet (gloo), and still match
         assert all(res["packed"] > 0 for res in per_rank)
 
@@ -79,12 +79,12 @@ CASES = {
         dict(m=4, rows=8, tuple_io=False, tied=False),
         dict(m=5, rows=10, tuple_io=False, tied=True, steps=3),
         dict(m=7, rows=7, tuple_io=True, tied=False),
-        dict(m=4, rows=8, tuple_io=True, tied=True, per_channel=True, steps=2),
+        dict(m=4, rows=8, tuple_io=True, tied=True, per_edge=True, steps=2),
         dict(m=5, rows=10, tuple_io=True, tied=False, staged=True, steps=2),
     ],
     4: [
         dict(m=8, rows=16, tuple_io=False, tied=True, steps=2),
-        dict(m=9, rows=9, tuple_io=True, tied=False, per_channel=True, staged=True),
+        dict(m=9, rows=9, tuple_io=True, tied=False, per_edge=True, staged=True),
     ],
 }
 
@@ -119,5 +119,7 @@ def test_an_edge_whose_shape_changes_is_a_value_error_naming_edge_tensor_and_sha
         "ValueError: activation on edge stage 0 -> stage 1, tensor 0: shape [2, 5] float64, "
         "but the first step exchanged [2, 8] float64"
     )
-    # the peer waiting for that message fails (timeout or closed connection), it does not hang
-    assert results[1].startswith("RuntimeError: [")
+    # the peer waiting for that message raises at once, naming the rank, action and error
+    assert results[1].startswith("PipelineError: the step failed on rank 0 at post 0SEND_F0")
+    assert "ValueError: activation on edge stage 0 -> stage 1, tensor 0" in results[1]
+    assert "(this rank: rank 1 at " in results[1] and "zero the gradients" in results[1]

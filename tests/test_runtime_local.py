@@ -124,7 +124,7 @@ def test_forward_returns_the_concatenated_outputs_without_autograd_state():
         h = s(*h) if isinstance(h, tuple) else s(h)
     torch.testing.assert_close(out, h.detach(), rtol=1e-12, atol=1e-14)
     assert not out.requires_grad
-    assert all(v is None for row in pipe._out for v in row)
+    assert all(v is None for row in pipe.runner.outputs for v in row)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +132,7 @@ def test_forward_returns_the_concatenated_outputs_without_autograd_state():
     [
         (
             lambda: graphpipe.DualPipeV([torch.nn.Linear(1, 1)], num_microbatches=2, loss_fn=mse),
-            "two nn.Modules",
+            r"rank 0 runs stages \[0, 1\] of the dualpipev schedule: stages must be 2",
         ),
         (lambda: _pipe(1), "num_microbatches must be >= 2"),
         (lambda: _pipe(2, capture="graph"), "capture must be"),

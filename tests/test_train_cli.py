@@ -100,6 +100,11 @@ def test_train_reads_a_data_file_and_runs_on_one_rank(tmp_path):
         ),
         (["--data", "/no/such/file"], "--data /no/such/file: no such file"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--dp", "0"], "--dp must be >= 1, got 0"),
+        (
+            ["--dp", "3"],
+            "--batch-size 16 does not split evenly over --dp 3 replicas",
+        ),
     ],
 )
 def test_bad_train_arguments_exit_2_with_one_line(args, message):
@@ -108,16 +113,31 @@ def test_bad_train_arguments_exit_2_with_one_line(args, message):
     assert proc.stderr.strip() == f"graphpipe train: error: {message}"
 
 
+def _losses(tmp_path, *args: str) -> tuple[list[float], str]:
+    """The per-step losses of ``graphpipe train *args`` (from its metrics file) and its
+    stderr."""
+    metrics = tmp_path / ("-".join(args).replace("/", "_") + ".jsonl")
+    proc = _train(*args, "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], proc.stderr
+
+
 def test_a_captured_run_reproduces_the_eager_losses_bit_for_bit(tmp_path):
     small = ["--steps", "4", "--hidden", "16", "--layers", "2", "--heads", "2", "--seq-len", "16"]
-    losses = {}
-    for mode in ("none", "step"):
-        metrics = tmp_path / f"{mode}.jsonl"
-        proc = _train(*small, "--capture", mode, "--metrics", str(metrics))
-        assert proc.returncode == 0, proc.stderr
-        losses[mode] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    losses = {mode: _losses(tmp_path, *small, "--capture", mode)[0] for mode in ("none", "step")}
     assert len(losses["step"]) == 4
     assert losses["step"] == losses["none"]
+
+
+def test_data_parallel_replicas_reproduce_the_single_pipeline_losses(tmp_path):
+    """--dp 2 splits each batch across two replicas (world 2 x 1 rank): the same global
+    batches, so the same losses as one pipeline on the whole batch."""
+    small = ["--ranks", "1", "--steps", "3", "--hidden", "16", "--layers", "1", "--heads", "1"]
+    small += ["--seq-len", "16", "--batch-size", "8"]
+    (one, _), (two, log) = (_losses(tmp_path, *small, "--dp", dp) for dp in ("1", "2"))
+    assert "1 ranks x 2 stages x 2 replicas" in log
+    assert len(two) == 3
+    assert two == pytest.approx(one, rel=1e-5)
 
 
 # ------------------------------------------------------------------ argument errors, in-process
@@ -271,7 +291,7 @@ def test_a_resumed_progress_bar_counts_its_eta_from_its_first_step() -> None:
 # ------------------------------------------------------------------ checkpoint and resume
 
 
-def _losses(path: Path) -> list[tuple[int, float]]:
+def _step_losses(path: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
@@ -281,7 +301,7 @@ def uninterrupted(tmp_path_factory) -> list[tuple[int, float]]:
     metrics = tmp_path_factory.mktemp("ref") / "m.jsonl"
     proc = _train(*TINY, "--steps", "6", "--metrics", str(metrics))
     assert proc.returncode == 0, proc.stderr
-    return _losses(metrics)
+    return _step_losses(metrics)
 
 
 @pytest.mark.parametrize("capture", ["none", "step"])
@@ -295,7 +315,7 @@ def test_a_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, uninterrupt
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {ckpt / 'step-00000004'} (step 4)" in proc.stderr
     assert "step 6/6" in proc.stderr and "steps 5-6 in" in proc.stderr
-    assert _losses(metrics) == uninterrupted  # global steps 1..6, bit for bit
+    assert _step_losses(metrics) == uninterrupted  # global steps 1..6, bit for bit
 
 
 def test_a_rank_killed_under_torchrun_resumes_from_the_last_checkpoint(tmp_path, uninterrupted):
@@ -313,8 +333,8 @@ def test_a_rank_killed_under_torchrun_resumes_from_the_last_checkpoint(tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {ckpt / 'step-00000004'} (step 4)" in proc.stderr
-    assert _losses(metrics) == uninterrupted
-    assert _losses(metrics)[-1][1] == uninterrupted[-1][1]
+    assert _step_losses(metrics) == uninterrupted
+    assert _step_losses(metrics)[-1][1] == uninterrupted[-1][1]
 
 
 def test_the_default_model_trains_on_four_ranks(tmp_path) -> None:
@@ -322,7 +342,7 @@ def test_the_default_model_trains_on_four_ranks(tmp_path) -> None:
     proc = _train("--ranks", "4", "--steps", "1", "--seq-len", "8", "--metrics", str(metrics))
     assert proc.returncode == 0, proc.stderr
     assert "4 ranks x 2 stages, 6 layers, 16 micro-batches" in proc.stderr
-    assert len(_losses(metrics)) == 1
+    assert len(_step_losses(metrics)) == 1
 
 
 # ------------------------------------------------------------------ Ctrl-C

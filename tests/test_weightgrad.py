@@ -112,3 +112,56 @@ def test_W_accumulates_plain_gradients_without_an_autograd_graph():
     store.run("w")
     for p in model.parameters():
         assert p.grad is not None and not p.grad.requires_grad and p.grad.grad_fn is None
+
+
+class _Scale(torch.nn.Module):
+    """A custom layer that defers its weight gradient through the store's hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([2.0]))
+        self.store = None
+
+    def bind_weight_grad_store(self, store: WeightGradStore) -> None:
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaleFn.apply(x, self.weight, self)
+
+
+class _ScaleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, layer):
+        ctx.save_for_backward(x, w)
+        ctx.layer = layer
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        layer = ctx.layer
+
+        def weight_grad(x: torch.Tensor, g: torch.Tensor) -> None:
+            gw = (x * g).sum().reshape(1)
+            layer.weight.grad = gw if layer.weight.grad is None else layer.weight.grad + gw
+
+        if layer.store.defer(weight_grad, x, g):
+            return g * w, None, None
+        return g * w, (x * g).sum().reshape(1), None
+
+
+def test_a_custom_layer_defers_its_weight_grad_through_the_store_hook():
+    layer, store = _Scale(), WeightGradStore()
+    model = torch.nn.Sequential(layer, torch.nn.Linear(3, 1))
+    assert make_deferrable(model, store) == 2  # the Linear and the custom layer
+    assert layer.store is store
+    x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    with store.deferring("W0"):
+        model(x).sum().backward()
+    assert layer.weight.grad is None and x.grad is not None  # input grad now, weight later
+    assert store.run("W0") == 2
+    torch.testing.assert_close(layer.weight.grad, (x.detach() * model[1].weight).sum().reshape(1))
+    plain = _Scale()
+    plain.store = WeightGradStore()  # not deferring: defer() returns False, work runs at once
+    plain(x.detach()).sum().backward()
+    torch.testing.assert_close(plain.weight.grad, x.detach().sum().reshape(1))

@@ -60,10 +60,13 @@ from typing import Any
 import torch
 
 from graphpipe.cli import positive_int
+from graphpipe.schedules import SCHEDULES
+from graphpipe.simulate import Costs
 
 from .measure import timed_step
 from .modes import MODE_DUALPIPE, MODE_EAGER, MODE_REPLAY, MODE_TORCH, MODES, Mode, build_modes
 from .report import format_report
+from .synthetic import SYNTHETIC_COSTS, synthetic_main
 from .workloads import REGIME_CHOICES, MLPStage, TinyStage, Workload, host_workload, workloads
 from .world import BenchWorld
 
@@ -146,11 +149,27 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--regime",
-        choices=REGIME_CHOICES,
+        choices=(*REGIME_CHOICES, "synthetic"),
         default="both",
         help="overhead: small hidden, many tiny micro-batches; compute: wide MLP; realistic: "
         "the built-in Llama; sweep: micro-batch sizes on CUDA; both: overhead + compute "
-        "(+ sweep on CUDA); all: every regime (default both)",
+        "(+ sweep on CUDA); all: every regime but synthetic; synthetic: stages that sleep "
+        "--costs, against the dataflow ideal of --schedule (default both)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=(*sorted(SCHEDULES), "all"),
+        default="all",
+        help="with --regime synthetic: the schedule(s) to run (default all)",
+    )
+    p.add_argument(
+        "--costs",
+        type=_costs,
+        default=SYNTHETIC_COSTS,
+        metavar="F=..,B=..",
+        help="with --regime synthetic: how long each action sleeps, in milliseconds: F, B, I, "
+        "W and FB (an overlapped F&B pair, default F+B) (default "
+        f"{SYNTHETIC_COSTS})",
     )
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument(
@@ -161,6 +180,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=run)
     return p
+
+
+def _costs(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -194,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
     opts["command_line"] = " ".join(sys.argv)
+    if args.regime == "synthetic":
+        opts["schedules"] = sorted(SCHEDULES) if args.schedule == "all" else [args.schedule]
+        launch(synthetic_main, args.ranks, args.device, opts)
+        return 0
     launch(bench_rank, args.ranks, args.device, opts)
     return 0
 

@@ -151,9 +151,7 @@ def build_modes(
         skipped[MODE_DUALPIPE] = why
     make: dict[str, Callable[[tuple[nn.Module, ...]], Mode]] = {
         MODE_EAGER: lambda s: _graphpipe_mode(MODE_EAGER, s, w, group),
-        MODE_REPLAY: lambda s: _graphpipe_mode(
-            MODE_REPLAY, s, w, group, capture=True, per_channel_groups=device.type == "cuda"
-        ),
+        MODE_REPLAY: lambda s: _graphpipe_mode(MODE_REPLAY, s, w, group, capture=True),
         MODE_TORCH: lambda s: _torch_mode(s, w, rank, world, device, group),
         MODE_DUALPIPE: lambda s: _dualpipe_mode(s, w, rank, group),
     }

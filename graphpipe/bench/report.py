@@ -111,8 +111,10 @@ def _svg_size(svg: str) -> tuple[int, int]:
 
 def write_plot(path: str, result: dict[str, Any], pictures: dict[str, Any], world: int) -> Path:
     """Per regime, the measured timeline of one graphpipe eager step above the simulated one
-    (``pictures``: regime -> ``SimResult``), stacked into one SVG at ``path`` (ms)."""
-    from graphpipe.render import render_svg
+    (``pictures``: regime -> ``SimResult``) on one time axis (ms), the regimes stacked into
+    one SVG at ``path``."""
+    from graphpipe.render import render_timelines
+    from graphpipe.simulate import Costs
 
     out = Path(path)
     parts: list[str] = []
@@ -122,26 +124,22 @@ def write_plot(path: str, result: dict[str, Any], pictures: dict[str, Any], worl
         measured = [
             {**r, "start": (r["start"] - t0) * 1e3, "end": (r["end"] - t0) * 1e3} for r in actions
         ]
-        parts.append(
-            render_svg(
-                measured,
-                num_ranks=world,
-                title=f"[{name}] measured, one step of graphpipe eager (ms)",
-            )
-        )
+        sections: list[tuple[str | None, Any]] = [
+            ("measured: one step of graphpipe eager, from its first action", measured)
+        ]
         pic = pictures.get(name)
         if pic is not None:
             sim = [
                 {"rank": r.rank, "start": r.start * 1e3, "end": r.end * 1e3, "action": r.action}
                 for r in pic.timeline
             ]
-            parts.append(
-                render_svg(
-                    sim,
-                    num_ranks=world,
-                    title=f"[{name}] simulated: measured stage costs, mean P2P per batch (ms)",
-                )
+            sections.append(("simulated: measured stage costs, mean P2P per batch", sim))
+        costs = Costs(**reg["simulation"]["costs_s"])  # splits the overlapped pairs
+        parts.append(
+            render_timelines(
+                sections, costs=costs, num_ranks=world, title=f"[{name}]", width=1200, unit="ms"
             )
+        )
     sizes = [_svg_size(s) for s in parts]
     width = max((w for w, _ in sizes), default=100)
     height = sum(h for _, h in sizes)

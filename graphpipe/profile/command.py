@@ -1,0 +1,208 @@
+"""``graphpipe profile``: run the built-in model under torch.profiler on every rank (or read
+an nsys export) and write ``report.json``, ``timeline.svg`` and the table.
+
+The model, data and pipeline options are ``graphpipe train``'s (``train.add_model_options``)
+and every rank is set up as ``train`` sets it up (``train.build_rank``); only the public
+pipeline API is used (``DualPipeV(...)``, ``.step()``, ``.close()``): the runtime emits its
+ranges by itself whenever a torch profiler records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["add_parser", "run"]
+
+PROG = "graphpipe profile"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from graphpipe.train import add_model_options
+
+    p = sub.add_parser(
+        "profile",
+        help="profile training steps: per-rank bubble, communication wait, vs the simulator",
+        description=(
+            "Run --warmup steps, then --steps training steps of the built-in model under "
+            "torch.profiler on every rank (CPU activity; CUDA too with --device cuda), and "
+            "write DIR/trace_rank{r}.json (Chrome traces), DIR/report.json (per rank: step, "
+            "busy, idle, bubble fraction, communication wait, seconds per action; the "
+            "simulator's prediction from the measured action costs), DIR/timeline.svg "
+            "(measured above simulated on one time axis) and print the table. With "
+            "--from-nsys, compute the same from the NVTX ranges of an Nsight Systems SQLite "
+            "export instead of running (the model options are then unused; ranks and "
+            "micro-batches come from the ranges)."
+        ),
+    )
+    add_model_options(p)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="profiled steps (default 3); with --from-nsys: analyse the last STEPS steps of "
+        "every rank",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="steps run before profiling (default 2: the first step exchanges shapes and "
+        "records, with --capture the second one captures)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="where the files go (created)")
+    p.add_argument(
+        "--clock",
+        choices=("host", "gpu"),
+        default=None,
+        help="host: the ranges as the host pushed and popped them; gpu: projected onto the GPU "
+        "work launched inside them (what an asynchronous CUDA step or a graph replay needs); "
+        "default: gpu with --device cuda or an export holding a CUDA trace, else host",
+    )
+    p.add_argument(
+        "--from-nsys",
+        metavar="FILE.sqlite",
+        default=None,
+        help="analyse this `nsys export --type sqlite` file (NVTX domain 'graphpipe') instead "
+        "of running",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from graphpipe.launch import joined_torchrun, launch
+    from graphpipe.train import _check
+
+    if args.steps < 1:
+        return _fail(f"--steps must be >= 1, got {args.steps}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _fail(f"--out {args.out}: exists and is not a directory")
+    if args.from_nsys is not None:
+        return _from_nsys(args, out)
+    if joined_torchrun():
+        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
+    problem = _check(args)
+    if problem is None and args.warmup < 0:
+        problem = f"--warmup must be >= 0, got {args.warmup}"
+    if problem is None and args.clock == "gpu" and args.device != "cuda":
+        problem = "--clock gpu needs --device cuda (a CPU run has no GPU clock)"
+    if problem is not None:
+        return _fail(problem)
+    clock = args.clock or ("gpu" if args.device == "cuda" else "host")
+    out.mkdir(parents=True, exist_ok=True)
+    opts = {k: v for k, v in vars(args).items() if k != "func"}
+    opts["out"] = str(out)
+    launch(_profile_rank, args.ranks, args.device, opts)
+    if joined_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0
+    from .analysis import analyse
+    from .chrome import load_chrome_traces
+
+    paths = {r: out / f"trace_rank{r}.json" for r in range(args.ranks)}
+    try:
+        ranges = load_chrome_traces(paths, clock)
+        analysis = analyse(
+            ranges,
+            steps=args.steps,
+            microbatches=args.microbatches,
+            source={
+                "kind": "torch.profiler",
+                "files": [p.name for p in paths.values()],
+                "clock": clock,
+                "device": args.device,
+                "capture": args.capture,
+                "warmup_steps": args.warmup,
+            },
+        )
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    if args.device == "cuda" and clock == "host":
+        analysis.report["notes"].append(
+            "host clock on CUDA: the ranges time what the host did (launches, and waits where "
+            "it blocked), not when the GPU ran the work; --clock gpu projects them onto it"
+        )
+    return _write(analysis, out)
+
+
+def _write(analysis: Any, out: Path) -> int:
+    from .report import format_table, write_outputs
+
+    report_path, svg_path = write_outputs(analysis, out)
+    print(format_table(analysis.report))
+    print(f"{PROG}: wrote {report_path} and {svg_path}", file=sys.stderr)
+    return 0
+
+
+def _from_nsys(args: argparse.Namespace, out: Path) -> int:
+    from graphpipe.schedules import SCHEDULES
+
+    from .analysis import analyse
+    from .nsys import assign_ranks, has_cuda_trace, load_nsys
+    from .ranges import Kind
+
+    path = Path(args.from_nsys)
+    try:
+        clock = args.clock or ("gpu" if has_cuda_trace(path) else "host")
+        by_process = load_nsys(path, clock)
+        processes = {
+            pid: rs for pid, rs in by_process.items() if any(r.kind is Kind.STEP for r in rs)
+        }
+        if not processes:
+            raise ValueError(f"{path}: no 'step' range in the graphpipe NVTX domain")
+        placement = SCHEDULES["dualpipev"].placement(len(processes))
+        by_rank, notes = assign_ranks(processes, placement.stage_to_rank)
+        analysis = analyse(
+            by_rank,
+            steps=args.steps,
+            microbatches=args.microbatches,
+            source={"kind": "nsys", "file": str(path), "clock": clock},
+            notes=notes,
+        )
+    except ValueError as e:
+        return _fail(str(e))
+    out.mkdir(parents=True, exist_ok=True)
+    return _write(analysis, out)
+
+
+def _profile_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphpipe.train import build_rank
+
+    run = build_rank(rank, world, device, opts, prog=PROG)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        for _ in range(opts["warmup"]):
+            float(run.step(*run.next_batch()))
+        with profile(activities=activities) as prof:
+            for _ in range(opts["steps"]):
+                loss = run.step(*run.next_batch())
+                if cuda:
+                    torch.cuda.synchronize()  # as graphpipe train does after every step
+                value = float(loss)
+        prof.export_chrome_trace(str(Path(opts["out"]) / f"trace_rank{rank}.json"))
+    finally:
+        run.close()
+    if rank == 0:
+        print(
+            f"{PROG}: {opts['steps']} profiled step(s) after {opts['warmup']} warmup, "
+            f"last loss {value:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    dist.barrier()  # every rank's trace is written before rank 0 reads them

@@ -1,0 +1,362 @@
+"""The capture driver: warmup record -> static plan -> static step / CUDA graphs -> replay.
+
+Three visible phases per batch signature (shapes and dtypes of the batch):
+
+1. warmup: an eager step that records the metadata of every tensor it touches
+   (``meta.StepRecord``) and of every message (the engine's channel metadata);
+2. plan: ``plan.build_plan`` allocates every buffer the step's P2P and batch need once, with
+   lifetimes from the compiled program (a receive lives from the step that posts it to the
+   last action that reads it; a gloo send packet until the end of the step, since the send
+   completes in the background); the transfers and the runner's micro-batch views are bound
+   to it;
+3. replay: on CPU the static step itself (same program, plan buffers only); on CUDA the
+   static step captured once with ``torch.cuda.graph`` and replayed (``graphs.py``).
+
+Owns: the captures (plans, bindings, graphs) and the capture stream. May touch: the
+engine's transfers (``static`` buffers), the runner's micro-batch inputs and labels, the
+engine's channel metadata (restored per capture). The graphs are released by ``close()``,
+or by a finalizer when the pipeline is dropped without it (NCCL >= 2.26 waits in
+``destroy_process_group`` for graphs that still reference a communicator).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graphpipe.meta import DTYPES, StepRecord, TensorMeta
+from graphpipe.plan import StaticPlan, build_plan
+
+from .comm import SendTransfer
+from .stage import as_tuple
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+__all__ = ["Capture", "CaptureDriver"]
+
+_RECV_KIND = {True: "recv_activation", False: "recv_grad"}
+
+
+class Capture:
+    """One captured signature: its plan, recorded metadata, buffer bindings and graphs."""
+
+    __slots__ = ("bindings", "graphs", "mb_inputs", "mb_labels", "metas", "plan", "record", "sig")
+
+    def __init__(self, sig, plan, record, metas, bindings, mb_inputs, mb_labels) -> None:
+        self.sig, self.plan, self.record, self.metas = sig, plan, record, metas
+        self.bindings, self.mb_inputs, self.mb_labels = bindings, mb_inputs, mb_labels
+        self.graphs: Any = None
+
+
+def _decode_signature(sig: Sequence[int]) -> list[tuple[str, list[int], str]]:
+    """The named tensor descriptions of a batch signature (see ``Pipeline._agree``)."""
+    out = []
+    i = 1
+    for name in ("inputs", "labels"):
+        if i >= len(sig):
+            break
+        count = sig[i]
+        i += 1
+        for k in range(count):
+            code, ndim = sig[i], sig[i + 1]
+            dtype = str(DTYPES[code]).removeprefix("torch.")
+            out.append((f"{name}[{k}]", list(sig[i + 2 : i + 2 + ndim]), dtype))
+            i += 2 + ndim
+    return out
+
+
+def mismatch(captured: Sequence[int], got: Sequence[int]) -> str:
+    """Why a batch signature does not fit the captured one."""
+    old, new = _decode_signature(captured), _decode_signature(got)
+    for (name, shape, dt), (name2, shape2, dt2) in zip(old, new, strict=False):
+        if (name, shape, dt) != (name2, shape2, dt2):
+            return (
+                f"{name2} has shape {shape2} {dt2}, but the step was captured with {name} of "
+                f"shape {shape} {dt}; pass recapture=True to capture a graph per shape"
+            )
+    return (
+        f"the batch holds {[n for n, _, _ in new]}, but the step was captured with "
+        f"{[n for n, _, _ in old]}; pass recapture=True to capture a graph per signature"
+    )
+
+
+def _release(captures: dict, device_type: str) -> None:
+    """Destroy the graphs of ``captures`` (after the device is idle)."""
+    if device_type == "cuda" and any(c.graphs is not None for c in captures.values()):
+        torch.cuda.synchronize()
+    for cap in captures.values():
+        if cap.graphs is not None:
+            cap.graphs.reset()
+            cap.graphs = None
+    captures.clear()
+
+
+class CaptureDriver:
+    """Captures and replays the training step of ``pipe``, one ``Capture`` per signature."""
+
+    def __init__(self, pipe: Pipeline, mode: str, recapture: bool) -> None:
+        self.pipe = pipe
+        self.mode, self.recapture = mode, recapture
+        self.captures: dict[tuple[int, ...], Capture] = {}
+        self.active: Capture | None = None
+        self.stream = torch.cuda.Stream(pipe.device) if pipe.device.type == "cuda" else None
+        self._finalizer = weakref.finalize(self, _release, self.captures, pipe.device.type)
+
+    # ------------------------------------------------------------ the step
+    def step(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
+        pipe = self.pipe
+        cap = self.captures.get(sig)
+        if cap is None:
+            if self.captures and not self.recapture:
+                raise ValueError(mismatch(next(iter(self.captures)), sig))
+            return self._warmup(sig, inputs, labels)
+        self.activate(cap)
+        if pipe.is_input_rank:
+            for dst, src in zip(cap.plan.inputs, as_tuple(inputs), strict=True):
+                dst.copy_(src, non_blocking=True)
+        if pipe.is_loss_rank:
+            for dst, src in zip(cap.plan.labels, as_tuple(labels), strict=True):
+                dst.copy_(src, non_blocking=True)
+        if pipe.device.type != "cuda":
+            self.static_step()  # CPU: no graph API; the static step itself is the replay
+            return pipe._loss_out
+        if cap.graphs is None:
+            cap.graphs = self._capture_graphs()
+        self._check_static_grads()
+        self._replay(cap)
+        return pipe._loss_out
+
+    def _warmup(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
+        """An eager step on fresh buffers that records the metadata of what it touches; on
+        CUDA on the capture stream (torch's whole-network capture recipe)."""
+        pipe = self.pipe
+        pipe.runner.recorder = StepRecord()
+        try:
+            pipe._zero_grads()
+            with self._on_capture_stream():
+                loss = pipe._eager_step(sig, inputs, labels, None).clone()
+                if pipe.optimizer is not None:
+                    pipe.optimizer.step()
+            record = pipe.runner.recorder
+        finally:
+            pipe.runner.recorder = None
+        self.captures[sig] = self._make(sig, record, inputs, labels)
+        return loss
+
+    def _on_capture_stream(self) -> Any:
+        if self.stream is None:
+            return _Nothing()
+        self.stream.wait_stream(torch.cuda.current_stream(self.pipe.device))
+        return _JoinedStream(self.stream, self.pipe.device)
+
+    # ---------------------------------------------------------------- plan
+    def _make(self, sig: tuple[int, ...], record: StepRecord, inputs: Any, labels: Any) -> Capture:
+        pipe = self.pipe
+        program = pipe._train
+        keys_at: list[list[tuple[str, int, int]]] = [[] for _ in program.steps]
+        metas: dict[tuple[str, int, int], tuple[TensorMeta, ...]] = {}
+        readers: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        until_end: list[tuple[str, int, int]] = []
+        owners: list[tuple[Any, list[tuple[str, int, int]], bool]] = []  # transfer, keys, flat
+        for t in [*program.sends, *program.recvs]:
+            first = t.msgs[0].action
+            packed = t.packable()
+            if isinstance(t, SendTransfer) and not packed:
+                continue  # it sends the stage's own tensors
+            k = program.posted_at[id(t)]
+            if packed:
+                send = isinstance(t, SendTransfer)
+                key = ("send_packet" if send else "recv_packet", first.stage, first.microbatch)
+                ms = [m for msg in t.metas() for m in msg]
+                numel = sum(math.prod(m.shape) for m in ms)
+                metas[key] = (TensorMeta((numel,), ms[0].dtype, pipe.device),)
+                if send:
+                    until_end.append(key)
+                    readers[key] = []
+                else:
+                    readers[key] = [(m.action.stage, m.mb) for m in t.msgs]
+                keys = [key]
+            else:
+                keys = []
+                for m in t.msgs:
+                    key = (_RECV_KIND[m.forward], m.action.stage, m.mb)
+                    metas[key] = pipe.engine.metas[m.channel]
+                    keys.append(key)
+            keys_at[k] += keys
+            owners.append((t, keys, packed))
+        plan_program = [(keys_at[k], s.compute) for k, s in enumerate(program.steps)]
+        dev = pipe.device
+        ins = (
+            tuple(TensorMeta.of(t).on(dev) for t in as_tuple(inputs)) if pipe.is_input_rank else ()
+        )
+        labs = (
+            tuple(TensorMeta.of(t).on(dev) for t in as_tuple(labels)) if pipe.is_loss_rank else ()
+        )
+        plan = build_plan(plan_program, metas, ins, labs, readers, until_end)
+        bindings = [
+            (t, plan.buffers[keys[0]][0] if flat else tuple(plan.buffers[k] for k in keys))
+            for t, keys, flat in owners
+        ]
+        mb_inputs = pipe._split(plan.inputs) if pipe.is_input_rank else []
+        unwrap = pipe.is_loss_rank and isinstance(labels, torch.Tensor)
+        mb_labels = pipe._split(plan.labels, unwrap=unwrap) if pipe.is_loss_rank else []
+        return Capture(sig, plan, record, dict(pipe.engine.metas), bindings, mb_inputs, mb_labels)
+
+    def activate(self, cap: Capture | None) -> None:
+        """Point the program at ``cap``'s plan buffers (None: eager allocation)."""
+        if cap is self.active:
+            return
+        pipe = self.pipe
+        if self.active is not None:
+            for t, _ in self.active.bindings:
+                t.static = None
+        if cap is not None:
+            for t, bufs in cap.bindings:
+                t.static = bufs
+            pipe.engine.metas = dict(cap.metas)
+            pipe._signature = cap.sig
+            pipe.runner.begin(cap.mb_inputs, cap.mb_labels)
+        self.active = cap
+
+    def static_step(self) -> None:
+        """The step on plan buffers only: what CUDA captures and what CPU runs as replay."""
+        pipe = self.pipe
+        pipe._zero_grads()
+        pipe._prepare_seed(None)
+        pipe._run(pipe._train, False)
+        pipe._reduce_loss()
+        if pipe.optimizer is not None:
+            pipe.optimizer.step()
+
+    # ---------------------------------------------------------------- CUDA
+    def entries(self) -> list[tuple[str, Any, Any]]:
+        """``(name, eager part, part to capture)`` per graph (``graphs.py``): the whole static
+        step, or (mode ``action``) one graph per compute action, its P2P run eagerly before
+        it."""
+        pipe = self.pipe
+        if self.mode == "step":
+            return [("step", None, self.static_step)]
+        entries: list[tuple[str, Any, Any]] = []
+        if pipe.optimizer is not None:
+            entries.append(("zero_grad", None, pipe._zero_grads))
+        for posts, waits, fn, args, name in pipe._train.instrs:
+            eager = functools.partial(_call_all, posts + waits) if posts or waits else None
+            entries.append((name or "p2p", eager, functools.partial(fn, *args) if fn else None))
+        entries.append(("wait sends", pipe.engine.finish, None))
+        entries.append(("loss", None, pipe._reduce_loss))
+        if pipe.optimizer is not None:
+            entries.append(("optimizer", None, pipe.optimizer.step))
+        return entries
+
+    def _capture_graphs(self) -> Any:
+        from graphpipe.graphs import CapturedGraphs
+
+        pipe = self.pipe
+        params = pipe._params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._static_grads = [(p, p.grad) for p in params]
+        pipe._prepare_seed(None)
+        torch.cuda.synchronize()
+        pipe._barrier()  # every rank enters capture together
+        engine = pipe.engine
+        engine.begin(False)
+        engine.record_sends = self.mode == "action"
+        try:
+            with _autocast_without_cache(pipe.device.type):
+                graphs = CapturedGraphs.capture(self.entries(), self.stream)
+        finally:
+            engine.record_sends = False
+        torch.cuda.synchronize()
+        pipe._barrier()
+        return graphs
+
+    def _replay(self, cap: Capture) -> None:
+        engine = self.pipe.engine
+        engine.begin(False)
+        engine.replay_sends = self.mode == "action"
+        try:
+            cap.graphs.replay(self.pipe.ranges)
+        finally:
+            engine.replay_sends = False
+
+    def _check_static_grads(self) -> None:
+        for p, g in self._static_grads:
+            if p.grad is not g:
+                raise RuntimeError(
+                    "a parameter's .grad is no longer the tensor the CUDA graph writes: "
+                    "with capture, zero gradients with optimizer.zero_grad(set_to_none=False) "
+                    "(the graph accumulates into the static .grad tensors; it does not zero them)"
+                )
+
+    def close(self) -> None:
+        """Synchronize, destroy every graph and plan (before the process group goes)."""
+        self.activate(None)
+        _release(self.captures, self.pipe.device.type)
+
+    # --------------------------------------------------------------- views
+    def memory_report(self) -> str:
+        plan, record = self.plan, self.record
+        if plan is None or record is None:
+            raise RuntimeError("no plan yet: the memory report needs capture and one step")
+        stored = record.nbytes()
+        return (
+            plan.report()
+            + f"\nstored stage activations (recorded): {stored['activations']:,} bytes"
+            + f"\nstage input gradients (recorded): {stored['grads']:,} bytes"
+        )
+
+    @property
+    def plan(self) -> StaticPlan | None:
+        cap = self.active or next(iter(self.captures.values()), None)
+        return cap.plan if cap is not None else None
+
+    @property
+    def record(self) -> StepRecord | None:
+        cap = self.active or next(iter(self.captures.values()), None)
+        return cap.record if cap is not None else None
+
+
+def _call_all(fns: Sequence[Any]) -> None:
+    for fn in fns:
+        fn()
+
+
+def _autocast_without_cache(device_type: str) -> Any:
+    """Re-enter the ambient autocast with its weight cache off: a cached cast made during
+    capture would point at memory the graph does not own on replay."""
+    if not torch.is_autocast_enabled(device_type):
+        return _Nothing()
+    dtype = torch.get_autocast_dtype(device_type)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _JoinedStream:
+    """``with torch.cuda.stream(s)``, and the current stream waits for ``s`` on exit."""
+
+    def __init__(self, stream: Any, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+        self.ctx = torch.cuda.stream(stream)
+
+    def __enter__(self) -> None:
+        self.prev = torch.cuda.current_stream(self.device)
+        self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.ctx.__exit__(*exc)
+        self.prev.wait_stream(self.stream)

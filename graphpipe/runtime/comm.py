@@ -1,0 +1,446 @@
+"""The communication engine: asynchronous point-to-point transfers between pipeline ranks.
+
+Owns the process groups the P2P travels on, the metadata of every channel (what crosses each
+stage edge), the first-step handshake, gloo packets, and the sends in flight. Its API is three
+calls, driven by the compiled program:
+
+* ``transfer.post()`` at the step the lowering puts it in: sends take their tensors from the
+  stage runner and go; receives get buffers (fresh, or the active plan's) that the runner's
+  tables point at from then on. Nothing waits.
+* ``transfer.wait()`` right before the first compute that reads one of its messages: the
+  only place a rank blocks on a peer (inside a ``wait ...`` range).
+* ``engine.finish()`` at the end of the step: waits for the sends in flight (``wait sends``).
+
+A *transfer* (``graphpipe.lower.Transfer``) is a run of messages on one directed rank pair
+that both ends post in one batch, so both ends group them the same way: on NCCL one group of
+P2P ops on the rank pair's own communicator (one process group per directed rank pair, so
+that no two rank pairs' transfers queue behind each other on one NCCL stream, and every
+communicator carries its transfers in the same order at both ends); on gloo one packet (the
+messages concatenated into one flat buffer, when they share a dtype) or one op per tensor,
+in order. Messages on a rank pair are FIFO: the i-th one sent is the i-th one received.
+
+A failed wait raises ``faults.CommFailure`` naming the peer; ``abandon()`` lets go of every
+posted operation (their connections can then close, see ``faults``).
+
+May touch: the process groups of ``PipelineGroups`` (looked up at each post, so a rebuild
+takes effect at once), buffers it allocates, the runner's message tables through
+``take_*`` / ``store_*``. Must not: run stage code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphpipe.ir import Action, Op
+from graphpipe.lower import Transfer, channel
+from graphpipe.meta import DTYPE_CODE, DTYPES, TensorMeta, describe
+from graphpipe.nvtx import Ranges
+
+from .faults import CommFailure
+from .groups import PipelineGroups
+from .stage import StageRunner
+
+__all__ = [
+    "HEADER_LEN",
+    "CommEngine",
+    "RecvTransfer",
+    "SendTransfer",
+    "check_message",
+    "decode_header",
+    "encode_header",
+]
+
+Channel = tuple[int, int]
+Tensors = tuple[torch.Tensor, ...]
+HEADER_LEN = 128
+DATA_TAG = 0
+HEADER_TAG = 1  # headers travel apart from the data (gloo matches per peer and tag, in order)
+
+
+# --------------------------------------------------------------------------------------------
+# Headers and checks
+
+
+def encode_header(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Write ``[count, (dtype, requires_grad, ndim, *shape) ...]`` into the int64 ``out``."""
+    vals = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in DTYPE_CODE:
+            raise ValueError(f"dtype {t.dtype} cannot cross a pipeline edge")
+        vals += [DTYPE_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    if len(vals) > HEADER_LEN:
+        raise ValueError(
+            f"a stage output of {len(tensors)} tensors with shapes "
+            f"{[tuple(t.shape) for t in tensors]} does not fit a {HEADER_LEN}-int header"
+        )
+    out.zero_()
+    out[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+    return out
+
+
+def decode_header(header: torch.Tensor, device: torch.device) -> tuple[TensorMeta, ...]:
+    vals = header.tolist()
+    count, i, metas = vals[0], 1, []
+    for _ in range(count):
+        code, rg, ndim = vals[i : i + 3]
+        shape = tuple(vals[i + 3 : i + 3 + ndim])
+        metas.append(TensorMeta(shape, DTYPES[code], device, bool(rg)))
+        i += 3 + ndim
+    return tuple(metas)
+
+
+def check_message(
+    what: str, channel: Channel, tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]
+) -> None:
+    """Raise ``ValueError`` naming the edge and tensor when ``tensors`` do not fit ``metas``."""
+    if len(tensors) != len(metas):
+        raise ValueError(
+            f"{what} on edge stage {channel[0]} -> stage {channel[1]}: {len(tensors)} tensors, "
+            f"but the first step exchanged {len(metas)} {describe(metas)}"
+        )
+    for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
+        if t.shape != m.shape or t.dtype != m.dtype:
+            raise ValueError(
+                f"{what} on edge stage {channel[0]} -> stage {channel[1]}, tensor {i}: "
+                f"shape {list(t.shape)} {str(t.dtype).removeprefix('torch.')}, but the first "
+                f"step exchanged {m}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Transfers
+
+
+class _Msg:
+    """One message of a transfer: local stage, micro-batch, direction, channel."""
+
+    __slots__ = ("action", "channel", "forward", "li", "mb")
+
+    def __init__(self, action: Action, li: int) -> None:
+        self.action, self.li, self.mb = action, li, action.microbatch
+        self.forward = action.op in (Op.SEND_F, Op.RECV_F)
+        self.channel = channel(action)
+
+
+def _wait_all(works: list, peer: int | None, what: str) -> None:
+    """Wait for ``works``; a failure becomes ``CommFailure``, holding no work (a posted work
+    keeps its connection open, and the peers blocked on it waiting)."""
+    try:
+        for w in works:
+            w.wait()
+    except RuntimeError as e:
+        works.clear()
+        w = None  # the frame stays in the traceback: it must not hold the work
+        raise CommFailure(peer, what, e.with_traceback(None)) from None
+    works.clear()
+
+
+def _posting_failed(t: _Transfer, e: BaseException) -> CommFailure:
+    return CommFailure(t.peer_rank, f"post {t.name}", e.with_traceback(None))
+
+
+class _Transfer:
+    __slots__ = ("edge", "engine", "index", "msgs", "name", "peer_global", "peer_rank")
+
+    def __init__(self, engine: CommEngine, spec: Transfer, actions: Sequence[Action]) -> None:
+        self.engine = engine
+        self.index = spec.index
+        self.edge = (spec.src, spec.dst)
+        self.msgs = tuple(_Msg(a, engine.runner.local[a.stage]) for a in actions)
+        self.peer_rank = spec.dst if spec.src == engine.rank else spec.src
+        self.peer_global = engine.groups.global_ranks[self.peer_rank]
+        self.name = " ".join(map(str, actions))
+        engine.transfers.append(self)
+
+    def metas(self) -> list[tuple[TensorMeta, ...]]:
+        return [self.engine.metas[m.channel] for m in self.msgs]
+
+    def packable(self) -> bool:
+        """Whether the messages travel as one flat packet (gloo, two or more tensors of one
+        dtype); both ends tell the same from the channel metadata they both know."""
+        if self.engine.groups.nccl:
+            return False
+        metas = [m for ms in self.metas() for m in ms]
+        return len(metas) > 1 and len({m.dtype for m in metas}) == 1
+
+
+class SendTransfer(_Transfer):
+    """This rank's sending end of a transfer.
+
+    static: the active plan's packet buffer.
+    recorded: what it sent while per-action graphs were captured; replays send these (the
+        graphs rewrite them in place).
+    """
+
+    __slots__ = ("recorded", "static")
+
+    def __init__(self, engine: CommEngine, spec: Transfer) -> None:
+        super().__init__(engine, spec, spec.sends)
+        self.static: torch.Tensor | None = None
+        self.recorded: tuple[torch.Tensor, ...] | None = None
+
+    def post(self) -> None:
+        self.engine.post_send(self)
+
+
+class RecvTransfer(_Transfer):
+    """This rank's receiving end of a transfer.
+
+    static: the active plan's buffers (a flat packet buffer, or per message a tuple).
+    works: the posted receives; staged / headers: handshake state.
+    """
+
+    __slots__ = ("headers", "resolved", "staged", "static", "wait_name", "works")
+
+    def __init__(self, engine: CommEngine, spec: Transfer) -> None:
+        super().__init__(engine, spec, spec.recvs)
+        self.static: Any = None
+        self.works: list = []
+        self.headers: list[tuple[_Msg, torch.Tensor, Any]] = []
+        self.staged: list[tuple[_Msg, Tensors]] = []
+        self.resolved = True
+        self.wait_name = "wait " + self.name
+
+    def post(self) -> None:
+        self.engine.post_recv(self)
+
+    def wait(self) -> None:
+        self.engine.wait_recv(self)
+
+    def forget(self) -> None:
+        self.works, self.headers, self.staged, self.resolved = [], [], [], True
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+
+
+class CommEngine:
+    """P2P for one pipeline rank; see the module doc.
+
+    runner: the stage runner whose tables the messages come from and go to.
+    rank: this pipeline rank. groups: the pipeline's process groups.
+    staged: the handshake travels over the control group through host memory (NCCL), after
+        which every rank pair is warmed up once.
+    """
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        rank: int,
+        groups: PipelineGroups,
+        device: torch.device,
+        ranges: Ranges,
+        staged: bool,
+    ) -> None:
+        self.runner, self.rank, self.groups = runner, rank, groups
+        self.device, self.ranges, self.staged = device, ranges, staged
+        self.transfers: list[_Transfer] = []
+        self.metas: dict[Channel, tuple[TensorMeta, ...]] = {}
+        self.handshake = False
+        # Per-action CUDA graphs: the capture pass records what each send sends, replays send
+        # the recorded tensors (see graphs.py).
+        self.record_sends = self.replay_sends = False
+        self.in_flight: list[tuple[list, Tensors, int]] = []  # (works, tensors, peer rank)
+        self._unresolved: dict[tuple[int, int], deque[RecvTransfer]] = {}
+
+    # ------------------------------------------------------------- steps
+    def begin(self, handshake: bool) -> None:
+        self.handshake = handshake
+
+    def finish(self) -> None:
+        """Wait for every send of the step (inside ``wait sends``)."""
+        if not self.in_flight:
+            return
+        ranges = self.ranges
+        ranges.push("wait sends")
+        try:
+            while self.in_flight:
+                works, _, peer = self.in_flight.pop()
+                _wait_all(works, peer, "wait sends")
+        finally:
+            ranges.pop()
+
+    def abandon(self) -> None:
+        """Let go of every posted operation (after a failed step)."""
+        self.in_flight.clear()
+        self._unresolved.clear()
+        for t in self.transfers:
+            if isinstance(t, RecvTransfer):
+                t.forget()
+
+    # ------------------------------------------------------------- issue
+    def _issue(self, t: _Transfer, tensors: Sequence, send: bool) -> list:
+        """Post ``tensors`` to (or from) ``t``'s peer as one group of ops; returns the works."""
+        try:
+            group, peer = self.groups.p2p[t.edge]
+            if self.groups.nccl and len(tensors) > 1:
+                fn = dist.isend if send else dist.irecv
+                return dist.batch_isend_irecv(
+                    [dist.P2POp(fn, x, t.peer_global, group, DATA_TAG) for x in tensors]
+                )
+            call = group.send if send else group.recv
+            return [call([x], peer, DATA_TAG) for x in tensors]
+        except (RuntimeError, KeyError) as e:  # KeyError: the groups were dropped
+            raise _posting_failed(t, e) from None
+
+    def post_send(self, t: SendTransfer) -> None:
+        runner = self.runner
+        tensors: list[torch.Tensor] = []
+        if self.handshake:
+            self._handshake_send(t)
+            return
+        if self.replay_sends:
+            sent = t.recorded
+            self.in_flight.append((self._issue(t, sent, True), sent, t.peer_rank))
+            return
+        metas = self.metas
+        for m in t.msgs:
+            msg = runner.take_activation(m.li, m.mb) if m.forward else runner.take_grad(m.li, m.mb)
+            what = "activation" if m.forward else "gradient"
+            check_message(what, m.channel, msg, metas[m.channel])
+            tensors += msg
+        if len(tensors) > 1 and t.packable():
+            flat = t.static
+            parts = [x.reshape(-1) for x in tensors]
+            flat = torch.cat(parts) if flat is None else torch.cat(parts, out=flat)
+            tensors = [flat]
+        if self.record_sends:
+            t.recorded = tuple(tensors)
+        self.in_flight.append((self._issue(t, tensors, True), tuple(tensors), t.peer_rank))
+
+    def post_recv(self, t: RecvTransfer) -> None:
+        runner = self.runner
+        if self.handshake:
+            self._handshake_recv(t)
+            return
+        metas = t.metas()
+        if t.packable():
+            numels = [math.prod(m.shape) for ms in metas for m in ms]
+            flat = t.static
+            if flat is None:
+                flat = torch.empty(sum(numels), dtype=metas[0][0].dtype, device=self.device)
+            views = iter(flat.split(numels))
+            for m, ms in zip(t.msgs, metas, strict=True):
+                # The messages are views of the flat buffer: no copy out after the wait.
+                bufs = tuple(next(views).view(x.shape) for x in ms)
+                (runner.store_activation if m.forward else runner.store_grad)(m.li, m.mb, bufs)
+            t.works = self._issue(t, [flat], False)
+            return
+        tensors: list[torch.Tensor] = []
+        static = t.static
+        for i, (m, ms) in enumerate(zip(t.msgs, metas, strict=True)):
+            bufs = static[i] if static is not None else tuple(x.empty() for x in ms)
+            (runner.store_activation if m.forward else runner.store_grad)(m.li, m.mb, bufs)
+            tensors += bufs
+        t.works = self._issue(t, tensors, False)
+
+    def wait_recv(self, t: RecvTransfer) -> None:
+        ranges = self.ranges
+        ranges.push(t.wait_name)
+        try:
+            if not t.resolved:
+                self._resolve(t)
+            _wait_all(t.works, t.peer_rank, t.wait_name)
+            if t.staged:
+                for m, bufs in t.staged:
+                    moved = tuple(b.to(self.device) for b in bufs)
+                    store = self.runner.store_activation if m.forward else self.runner.store_grad
+                    store(m.li, m.mb, moved)
+                t.staged = []
+        finally:
+            ranges.pop()
+
+    # --------------------------------------------------------- handshake
+    def _handshake_route(self, t: _Transfer) -> tuple[Any, int]:
+        """Where a handshake message goes: the pair's group, or (NCCL) the control group."""
+        if self.staged:
+            route = self.groups.control, t.peer_rank
+        else:
+            route = self.groups.p2p.get(t.edge, (None, t.peer_rank))
+        if route[0] is None:
+            raise _posting_failed(t, RuntimeError("the pipeline's process groups were dropped"))
+        return route
+
+    def _handshake_send(self, t: SendTransfer) -> None:
+        """A send of a handshake step: each message preceded by a header with its metadata.
+
+        Headers go on their own tag; the receiver waits for them only when a compute reads
+        the transfer (``_resolve``), then posts the payload receives, in send order per rank
+        pair. On NCCL everything goes over the gloo control group through host memory: an
+        NCCL group needs its sends and receives at once, which needs the metadata first.
+        """
+        runner = self.runner
+        group, peer = self._handshake_route(t)
+        works, keep = [], []
+        for m in t.msgs:
+            msg = runner.take_activation(m.li, m.mb) if m.forward else runner.take_grad(m.li, m.mb)
+            self.metas[m.channel] = tuple(TensorMeta.of(x) for x in msg)
+            if self.staged:
+                msg = tuple(x.cpu() for x in msg)
+            header = encode_header(msg, torch.empty(HEADER_LEN, dtype=torch.int64))
+            try:
+                works.append(group.send([header], peer, HEADER_TAG))
+                works += [group.send([x], peer, DATA_TAG) for x in msg]
+            except RuntimeError as e:
+                works.clear()
+                raise _posting_failed(t, e) from None
+            keep += [header, *msg]
+        self.in_flight.append((works, tuple(keep), t.peer_rank))
+
+    def _handshake_recv(self, t: RecvTransfer) -> None:
+        group, peer = self._handshake_route(t)
+        t.headers = []
+        for m in t.msgs:
+            h = torch.empty(HEADER_LEN, dtype=torch.int64)
+            try:
+                t.headers.append((m, h, group.recv([h], peer, HEADER_TAG)))
+            except RuntimeError as e:
+                t.headers.clear()
+                raise _posting_failed(t, e) from None
+        t.resolved = False
+        self._unresolved.setdefault(t.edge, deque()).append(t)
+
+    def _resolve(self, t: RecvTransfer) -> None:
+        """Read the headers of ``t`` and of every transfer posted before it on its rank pair,
+        and post their payload receives, in order."""
+        queue = self._unresolved[t.edge]
+        cpu = torch.device("cpu")
+        while queue:
+            u = queue.popleft()
+            group, peer = self._handshake_route(u)
+            works = []
+            for m, h, hw in u.headers:
+                _wait_all([hw], u.peer_rank, u.wait_name + " (its header)")
+                metas = self.metas[m.channel] = decode_header(h, self.device)
+                bufs = tuple(x.on(cpu if self.staged else self.device).empty() for x in metas)
+                if self.staged:
+                    u.staged.append((m, bufs))
+                else:
+                    store = self.runner.store_activation if m.forward else self.runner.store_grad
+                    store(m.li, m.mb, bufs)
+                try:
+                    works += [group.recv([b], peer, DATA_TAG) for b in bufs]
+                except RuntimeError as e:
+                    works.clear()
+                    raise _posting_failed(u, e) from None
+            u.works, u.headers, u.resolved = works, [], True
+            if u is t:
+                return
+
+    def warm(self) -> None:
+        """One exchange on every rank pair, all at once: after a handshake over the control
+        group (NCCL), initializes each communicator's P2P paths before any capture. Every
+        rank walks the pairs in the same order."""
+        works = []
+        for (src, _), (group, peer) in sorted(self.groups.p2p.items()):
+            x = torch.zeros(1, device=self.device)
+            call = group.send if self.rank == src else group.recv
+            works.append(call([x], peer, DATA_TAG))
+        _wait_all(works, None, "warm-up of the P2P groups")

@@ -1,0 +1,537 @@
+"""The public facade: ``Pipeline`` (any schedule) and ``DualPipeV`` (the default one).
+
+A ``Pipeline`` puts the parts together: the schedule and its placement (``schedules``), the
+lowered program of this rank (``lower`` + ``program``), the stage runner (``stage``), the
+communication engine (``comm``) on its process groups (``groups``), the batch agreement
+(``batch``) and the capture driver (``capture``). It owns the step loop, the loss buffers and
+the user-facing checks; everything else is delegated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphpipe.ir import Action, Op
+from graphpipe.lower import forward_only, lower, transfers
+from graphpipe.meta import StepRecord
+from graphpipe.nvtx import Ranges
+from graphpipe.plan import StaticPlan
+from graphpipe.schedules import resolve_schedule
+from graphpipe.simulate import Costs
+
+from .batch import BatchAgreement, split
+from .capture import CaptureDriver
+from .clipping import clip_in_step
+from .comm import CommEngine
+from .data_parallel import DataParallel, check_stage_wrappers
+from .faults import CommFailure, FaultNotices, Faults
+from .groups import PipelineGroups
+from .program import Program, compile_program
+from .stage import StageRunner
+
+__all__ = ["DualPipeV", "Pipeline"]
+
+_CAPTURE_MODES = {False: None, True: "step", "step": "step", "action": "action"}
+
+
+class Pipeline:
+    """Pipeline-parallel training of one rank's stages under any schedule, over
+    ``torch.distributed``.
+
+    Args:
+        stages: this rank's stage modules, in ascending stage order (for DualPipeV and ZB-V
+            ``(stage r, stage 2N-1-r)``; for 1F1B ``(stage r,)``).
+        schedule: ``"dualpipev"`` (default), ``"zbv"``, ``"1f1b"``, or a compute-only
+            schedule ``{rank: [Action, ...]}`` (``graphpipe.ir.load_csv`` reads torch's CSV);
+            its placement follows from which rank runs which stage.
+        num_microbatches: M; each batch is split on dim 0 into M equal parts.
+        loss_fn: ``loss_fn(output, labels) -> 0-dim tensor``, run after the last stage.
+        group: the pipeline process group (default: the world; none needed for one rank).
+        use_nvtx: emit NVTX ranges (default: when CUDA is available). Ranges also go to the
+            torch profiler whenever one records.
+        per_edge_groups: one process group per directed rank pair for P2P (default: on NCCL
+            only); all ranks must pass the same value.
+        capture: capture the training step. ``True`` or ``"step"``: on CUDA one graph per
+            rank per step; ``"action"``: one CUDA graph per compute action, replayed in its
+            range, the P2P between them. On CPU both run the static step (plan buffers
+            only). Step 1 runs eagerly and records metadata, step 2 captures, later steps
+            replay.
+        recapture: with capture, a batch of another shape or dtype captures a new graph for
+            that signature instead of raising ``ValueError``.
+        capture_optimizer: with capture, an optimizer over this rank's parameters whose step
+            runs inside the step (in the graph on CUDA; it must be ``capturable=True`` there).
+            Each step then zeroes the gradients in place first and steps the optimizer last.
+        costs: the expected action costs (``graphpipe.simulate.Costs``); the lowering times
+            the receives with them (each is posted just before its data is sent). Default:
+            F=1, B=2, I=1, W=1.
+        dp_group: the data-parallel group: the ranks that run this rank's stages in the other
+            replicas (``mesh.get_group("dp")`` of a ``("dp", "pp")`` DeviceMesh, with
+            ``group=mesh.get_group("pp")``). Each stage's gradients are averaged over it as
+            soon as its last W (or B) of the step has run, and the loss is the mean over the
+            replicas (``runtime/data_parallel.py``). The replicas start from the first one's
+            parameters (broadcast here).
+        defer_weight_grads: switch the stages' plain ``nn.Linear`` layers to the deferrable
+            one (default True); False computes every weight gradient during ``I`` (``W`` is
+            then empty). ``graphpipe.no_defer(module)`` opts out one module.
+        clip_grad_norm: clip the gradients to this global norm at the end of every training
+            step (``graphpipe.clip_grad_norm_``, after the data-parallel averaging, inside the
+            captured step); the norm is then ``pipe.grad_norm``.
+        clip_norm_type: the norm's p (default 2.0; ``float("inf")`` for the max norm).
+        timeout: seconds (or a ``timedelta``) a rank waits for a silent peer before it raises
+            ``PipelineError`` naming it (a failing or killed peer is reported at once).
+
+    A failure on any rank ends the call on every rank: the failing rank raises its own
+    exception (with a note naming the action), the others ``graphpipe.PipelineError`` naming
+    the failing rank, its action and its error; the next call works again (or, when a peer is
+    gone, raises ``PipelineClosed``). Gradients may then hold partial sums: zero them.
+
+    ``step(inputs, labels)`` runs one training step and returns on every rank the mean over
+    micro-batches of ``loss_fn`` (0-dim), accumulating into ``.grad`` the gradients of that
+    mean. ``inputs`` are needed on the rank that runs stage 0, ``labels`` on the one that runs
+    the last stage (both rank 0 for V schedules); other ranks pass ``None``.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        *,
+        schedule: str | Mapping[int, Sequence[Action]] = "dualpipev",
+        num_microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        use_nvtx: bool | None = None,
+        per_edge_groups: bool | None = None,
+        capture: bool | str = False,
+        recapture: bool = False,
+        capture_optimizer: torch.optim.Optimizer | None = None,
+        costs: Costs | None = None,
+        timeout: float | datetime.timedelta = 300.0,
+        dp_group: dist.ProcessGroup | None = None,
+        defer_weight_grads: bool = True,
+        clip_grad_norm: float | None = None,
+        clip_norm_type: float = 2.0,
+    ) -> None:
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+            raise TypeError(
+                f"num_microbatches must be an int, got {type(num_microbatches).__name__} "
+                f"{num_microbatches!r}"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if capture not in _CAPTURE_MODES:
+            raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed and group is not None:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        self.group = group if group is not None or not distributed else dist.group.WORLD
+        self.rank = dist.get_rank(self.group) if distributed else 0
+        self.num_ranks = n = dist.get_world_size(self.group) if distributed else 1
+        self.num_microbatches = m = num_microbatches
+        self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
+        self.stage_ids = self.placement.stages_of(self.rank)
+        self._check_stages(stages)
+        check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
+        self.modules = tuple(stages)
+        self.loss_fn = loss_fn
+        self.last_stage = self.placement.last_stage
+        self.input_rank = self.placement.rank_of(0)
+        self.loss_rank = self.placement.rank_of(self.last_stage)
+        self.is_input_rank = self.rank == self.input_rank
+        self.is_loss_rank = self.rank == self.loss_rank
+        self.ranges = Ranges(use_nvtx)
+        self.device = self._infer_device()
+        split_flags = [[False] * m for _ in self.stage_ids]
+        local = {s: i for i, s in enumerate(self.stage_ids)}
+        for cell in self.schedule[self.rank]:
+            for part in cell.parts():
+                if part.op is Op.I:
+                    split_flags[local[part.stage]][part.microbatch] = True
+        self.runner = StageRunner(
+            self.modules,
+            self.stage_ids,
+            self.last_stage,
+            m,
+            loss_fn,
+            self.device,
+            split_flags,
+            defer_weight_grads,
+        )
+        self.stores = self.runner.stores
+        self.num_deferrable = self.runner.num_deferrable
+        durations = costs.of if costs is not None else None
+        latency = costs.p2p if costs is not None else 0.0
+        lowered = lower(self.schedule, self.placement, durations=durations, latency=latency)
+        train_transfers = transfers(lowered, self.placement)
+        infer_lowered = lower(forward_only(self.schedule), self.placement)
+        infer_transfers = transfers(infer_lowered, self.placement)
+        edges = {(t.src, t.dst) for t in train_transfers}
+        groups = PipelineGroups(
+            self.group if distributed else None,
+            edges,
+            per_edge_groups,
+            datetime.timedelta(seconds=_seconds(timeout)),
+        )
+        self.groups = groups
+        self._global = groups.global_ranks
+        self.engine = CommEngine(
+            self.runner, self.rank, groups, self.device, self.ranges, staged=groups.nccl and n > 1
+        )
+        self._faults = Faults(FaultNotices(groups.store, groups.key, self.rank), groups, self.rank)
+        self._train = compile_program(
+            lowered[self.rank], train_transfers, self.placement, self.rank, self.runner, self.engine
+        )
+        self._infer = compile_program(
+            infer_lowered[self.rank],
+            infer_transfers,
+            self.placement,
+            self.rank,
+            self.runner,
+            self.engine,
+        )
+        # Parts that run inside the training step as instructions of its program.
+        self.data_parallel = DataParallel(self, dp_group) if dp_group is not None else None
+        self.grad_norm: torch.Tensor | None = None
+        self._clips = clip_grad_norm is not None
+        if self._clips:
+            clip_in_step(self, clip_grad_norm, clip_norm_type)
+        self._agreement = BatchAgreement(
+            groups, self.rank, n, self.input_rank, self.loss_rank, m, _float_dtype(self.modules[0])
+        )
+        self._signature: tuple[int, ...] | None = None
+        self._infer_signature: tuple[int, ...] | None = None
+        self._infer_metas: dict = {}
+        self._loss_dtype = self._own_loss_dtype()
+        self._losses_dtype: torch.dtype | None = None
+        if capture_optimizer is not None:
+            if capture is False:
+                raise ValueError("capture_optimizer needs capture=True, 'step' or 'action'")
+            if self.device.type == "cuda" and capture_optimizer.defaults.get("capturable") is False:
+                raise ValueError(
+                    f"capture_optimizer {type(capture_optimizer).__name__} must be created with "
+                    "capturable=True to run inside a CUDA graph"
+                )
+        self.optimizer = capture_optimizer
+        self.capture = _CAPTURE_MODES[capture]
+        self._capture = CaptureDriver(self, self.capture or "step", recapture)
+
+    # ------------------------------------------------------------------ setup
+    def _check_stages(self, stages: Sequence[nn.Module]) -> None:
+        want = len(self.stage_ids)
+        if (
+            isinstance(stages, nn.Module)
+            or len(stages) != want
+            or not all(isinstance(s, nn.Module) for s in stages)
+        ):
+            got = (
+                [type(s).__name__ for s in stages]
+                if not isinstance(stages, nn.Module)
+                else [type(stages).__name__]
+            )
+            raise ValueError(
+                f"rank {self.rank} runs stages {list(self.stage_ids)} of the "
+                f"{self.schedule_name} schedule: stages must be {want} nn.Modules in that "
+                f"order, got {got}"
+            )
+
+    def _infer_device(self) -> torch.device:
+        for mod in self.modules:
+            for p in mod.parameters():
+                return p.device
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _own_loss_dtype(self) -> torch.dtype:
+        """The loss rank's choice, from its parameters (the other ranks learn it in the batch
+        agreement, whatever their own parameters are)."""
+        for mod in self.modules:
+            for p in mod.parameters():
+                if p.is_floating_point():
+                    return torch.promote_types(p.dtype, torch.float32)
+        return torch.float32
+
+    # ------------------------------------------------------------------ steps
+    def step(self, inputs: Any, labels: Any, *, scaler: Any = None) -> torch.Tensor:
+        """Run one training step; returns the mean loss (0-dim) on every rank.
+
+        ``inputs``: on the rank running stage 0, ``labels``: on the rank running the last
+        stage (a tensor or tuple of tensors, split on dim 0); ``None`` elsewhere. ``scaler``:
+        an optional ``torch.amp.GradScaler``; the backward seed is scaled by it (call
+        ``unscale_`` before ``scaler.step``).
+
+        With ``capture``, the returned loss of a replayed step is the static loss tensor: it
+        aliases graph memory and is overwritten by the next step (clone it to keep it).
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
+        if self.capture and scaler is not None:
+            raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
+        if scaler is not None and self._clips:
+            raise ValueError(
+                "clip_grad_norm clips inside the step, before a GradScaler could unscale: "
+                "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
+                "pipe.unscale_(scaler, optimizer)"
+            )
+        sig, loss_dtype = self._agree(inputs, labels, True)
+        with self._guard():
+            self._ensure_losses(loss_dtype)
+            if self.capture:
+                return self._capture.step(sig, inputs, labels)
+            return self._eager_step(sig, inputs, labels, scaler).clone()
+
+    def _agree(self, inputs: Any, labels: Any, train: bool) -> tuple[tuple[int, ...], Any]:
+        """Start a call and agree on its batch (a rejected batch raises on every rank)."""
+        faults = self._faults
+        faults.begin()
+        faults.action = "batch agreement"
+        try:
+            return self._agreement.agree(
+                inputs, labels, train, self._loss_dtype, faults.call, self.device.type
+            )
+        except CommFailure as f:
+            raise faults.consequence(f) from f
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Failures inside a call: reset this rank's step state and tell every rank."""
+        try:
+            yield
+        except CommFailure as f:
+            self._reset()
+            raise self._faults.consequence(f) from f
+        except BaseException as e:
+            self._reset()
+            self._faults.original(e)
+            raise
+
+    def _reset(self) -> None:
+        """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
+        self.runner.drop_state()
+        self.engine.abandon()
+        self._signature = self._infer_signature = None
+        self._capture.activate(None)
+
+    def _eager_step(self, sig: tuple[int, ...], inputs: Any, labels: Any, scaler: Any) -> Any:
+        handshake = sig != self._signature
+        self._signature = sig
+        self._capture.activate(None)
+        runner = self.runner
+        runner.infer = False
+        m, dev = self.num_microbatches, self.device
+        runner.begin(
+            split(inputs, m, dev) if self.is_input_rank else [],
+            split(labels, m, dev, isinstance(labels, torch.Tensor)) if self.is_loss_rank else [],
+        )
+        self._prepare_seed(scaler)
+        self._run(self._train, handshake)
+        loss = self._reduce_loss()
+        if self.groups.nccl and self.num_ranks > 1:  # the loss went on the device: agree here
+            self._on_control("end of step", lambda g: g.allreduce([torch.zeros(1)]))
+        if handshake and self.engine.staged:
+            self.engine.warm()
+        return loss
+
+    def _run(self, program: Program, handshake: bool) -> None:
+        ranges, engine = self.ranges, self.engine
+        depth = ranges.depth
+        ranges.push("step")
+        engine.begin(handshake)
+        name, comm = "", None
+        try:
+            for posts, waits, fn, args, name in program.instrs:
+                for comm in posts:
+                    comm()
+                for comm in waits:
+                    comm()
+                comm = None
+                if fn is not None:
+                    ranges.push(name)
+                    fn(*args)
+                    ranges.pop()
+            name = "wait sends"
+            engine.finish()
+            self._check_drained()
+        except BaseException:
+            # What this rank was doing: an action, or posting / waiting for a transfer.
+            if comm is not None:
+                name = f"{comm.__name__} {comm.__self__.name}"
+            self._faults.action = name or "the end of the step"
+            raise
+        finally:
+            ranges.unwind(depth)
+
+    def _check_drained(self) -> None:
+        left = self.runner.pending_weight_work()
+        if left:
+            for store in self.runner.stores:
+                store.clear()
+            raise RuntimeError(
+                f"the step ended with deferred weight-gradient work for {left}; the schedule "
+                "is missing W actions"
+            )
+
+    def _ensure_losses(self, dtype: torch.dtype) -> None:
+        if self._losses_dtype == dtype:
+            return
+        if self._capture.captures:
+            raise ValueError(f"the loss dtype changed to {dtype} after capture")
+        self._losses_dtype = dtype
+        runner = self.runner
+        runner.losses = torch.zeros(self.num_microbatches, dtype=dtype, device=self.device)
+        runner.seed = torch.zeros((), dtype=dtype, device=self.device)
+        self._loss_out = torch.zeros((), dtype=dtype, device=self.device)
+
+    def _prepare_seed(self, scaler: Any) -> None:
+        runner = self.runner
+        if self.is_loss_rank:
+            runner.seed.fill_(1.0 / self.num_microbatches)
+            runner.backward_seed = scaler.scale(runner.seed) if scaler is not None else runner.seed
+        elif scaler is not None:
+            scaler.scale(torch.zeros((), device=self.device))  # initializes its scale here too
+
+    def _reduce_loss(self) -> torch.Tensor:
+        """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
+        if self.is_loss_rank:
+            torch.mean(self.runner.losses, dim=0, out=self._loss_out)
+            if self.data_parallel is not None:  # the mean over the replicas' loss ranks
+                self.data_parallel.average_loss(self._loss_out)
+        if self.num_ranks == 1:
+            return self._loss_out
+        if self.device.type == "cuda":  # on device: it runs inside captured graphs
+            dist.broadcast(self._loss_out, src=self._global[self.loss_rank], group=self.group)
+            return self._loss_out
+        self._on_control("loss", lambda g: g.broadcast(self._loss_out, self.loss_rank))
+        return self._loss_out
+
+    def _on_control(self, what: str, op: Callable[[Any], Any]) -> None:
+        """Run collective ``op(control group)`` and wait; a failure is a ``CommFailure``."""
+        self._faults.action = what
+        control = self.groups.control
+        try:
+            if control is None:
+                raise RuntimeError("the pipeline's process groups were dropped")
+            op(control).wait()
+        except RuntimeError as e:
+            raise CommFailure(None, what, e.with_traceback(None)) from None
+
+    @torch.no_grad()
+    def forward(self, inputs: Any) -> Any:
+        """Forward only (no autograd state kept): the concatenated outputs on the rank that
+        runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline."""
+        sig, _ = self._agree(inputs, None, False)
+        with self._guard():
+            return self._forward(sig, inputs)
+
+    def _forward(self, sig: tuple[int, ...], inputs: Any) -> Any:
+        handshake = sig != self._infer_signature
+        self._infer_signature = sig
+        engine, runner = self.engine, self.runner
+        saved = engine.metas, runner.mb_inputs, runner.mb_labels
+        runner.begin(
+            split(inputs, self.num_microbatches, self.device) if self.is_input_rank else [], []
+        )
+        engine.metas = self._infer_metas
+        runner.infer = True
+        try:
+            self._run(self._infer, handshake)
+        finally:
+            runner.infer = False
+            engine.metas = saved[0]
+            runner.begin(saved[1], saved[2])
+        if not self.is_loss_rank:
+            return None
+        outs = [as_tuple_out(o) for o in runner.infer_outputs]
+        runner.infer_outputs = [None] * self.num_microbatches
+        cat = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+        return cat[0] if len(cat) == 1 else cat
+
+    def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """``scaler.unscale_(optimizer)`` plus agreement on inf/NaN across the pipeline ranks.
+
+        Every rank must skip (or take) the optimizer step together; call this, then
+        ``scaler.step(optimizer)`` and ``scaler.update()`` on every rank.
+        """
+        scaler.unscale_(optimizer)
+        if self.num_ranks > 1:
+            state = scaler._per_optimizer_states[id(optimizer)]
+            for t in state["found_inf_per_device"].values():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    # ---------------------------------------------------------------- capture
+    def _zero_grads(self) -> None:
+        """With ``capture_optimizer``: gradients are zeroed in place at the start of a step."""
+        if self.optimizer is not None:
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def _barrier(self) -> None:
+        if self.num_ranks > 1:
+            dist.barrier(group=self.group)
+
+    def _params(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for mod in self.modules:
+            for p in mod.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _split(self, part: Any, unwrap: bool = False) -> list[Any]:
+        return split(part, self.num_microbatches, self.device, unwrap)
+
+    def close(self) -> None:
+        """Destroy captured graphs and plans; call before destroying the process group."""
+        self._capture.close()
+
+    @property
+    def plan(self) -> StaticPlan | None:
+        """The static plan of the active capture (None before the warmup step)."""
+        return self._capture.plan
+
+    @property
+    def record(self) -> StepRecord | None:
+        """The metadata the warmup step recorded (None before it)."""
+        return self._capture.record
+
+    def memory_report(self) -> str:
+        """Bytes per kind of the static plan (inputs, labels, P2P receive buffers and packets,
+        against one buffer per micro-batch) and of what the warmup step recorded for the
+        stored stage activations and gradients (held by autograd, or by the CUDA graph pool
+        when captured)."""
+        return self._capture.memory_report()
+
+
+def _seconds(timeout: float | datetime.timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(seconds)
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+def as_tuple_out(o: Any) -> tuple:
+    return o if isinstance(o, tuple) else (o,)
+
+
+class DualPipeV(Pipeline):
+    """DeepSeek's DualPipeV: ``Pipeline(stages, schedule="dualpipev", ...)``.
+
+    ``stages`` are this rank's two modules, ``(stage r, stage 2N-1-r)``; ``M >= 2N``. See
+    ``Pipeline`` for the other arguments.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], **kwargs: Any) -> None:
+        if "schedule" in kwargs:
+            raise TypeError("DualPipeV runs the dualpipev schedule; use Pipeline for others")
+        super().__init__(stages, schedule="dualpipev", **kwargs)

@@ -1,0 +1,142 @@
+"""The compiled per-rank program: the lowered schedule bound to handlers and transfers.
+
+``compile_program`` turns this rank's lowered ``Step``s into a flat list of instructions
+``(posts, waits, handler, args, range name)``:
+
+* posts: the transfers this step's batch posts (sends first, then receives, each rank pair's
+  transfers in their order on it), as bound ``post`` methods;
+* waits: the receive transfers the compute reads that no earlier compute has waited for
+  (the first reader of a transfer waits for all of it), as bound ``wait`` methods;
+* the handler of the compute (``None`` for the final flush of sends) and its arguments.
+
+Everything is resolved once, so that running a step is a loop over tuples: the per-action
+host work is a handful of calls. May touch: nothing at run time; it only builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from graphpipe.ir import Action, Op
+from graphpipe.lower import Step, Transfer, comms_needed
+from graphpipe.schedules import Placement
+
+from .comm import CommEngine, RecvTransfer, SendTransfer
+from .stage import StageRunner
+
+__all__ = ["Program", "compile_program"]
+
+Instr = tuple[tuple[Callable[[], None], ...], tuple[Callable[[], None], ...], object, tuple, str]
+
+
+@dataclass
+class Program:
+    """One rank's compiled program.
+
+    instrs: per lowered step, ``(posts, waits, handler or None, args, name)``.
+    steps: the lowered steps it was compiled from.
+    sends / recvs: this rank's transfers, in program order.
+    posted_at: the step index each transfer is posted at.
+    """
+
+    instrs: list[Instr]
+    steps: list[Step]
+    sends: list[SendTransfer] = field(default_factory=list)
+    recvs: list[RecvTransfer] = field(default_factory=list)
+    posted_at: dict[int, int] = field(default_factory=dict)  # id(transfer) -> step
+
+    # -- hooks for the parts that run inside the step (data_parallel, clipping) -------------
+    # Instructions past ``len(steps)`` are trailing ones added here (no lowered step).
+
+    def last_grad_steps(self) -> dict[int, int]:
+        """``{stage: instruction index}`` of each stage's last ``B``, ``I`` or ``W``: after it
+        the stage's gradients of the step are final."""
+        last: dict[int, int] = {}
+        for k, step in enumerate(self.steps):
+            for part in step.compute.parts() if step.compute is not None else ():
+                if part.op in (Op.B, Op.I, Op.W):
+                    last[part.stage] = k
+        return last
+
+    def call_after(self, k: int, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` right after instruction ``k``'s compute, as the first post of the next
+        instruction (a trailing one when ``k`` is the last)."""
+        if k + 1 == len(self.instrs):
+            self.append()
+        posts, waits, handler, args, name = self.instrs[k + 1]
+        self.instrs[k + 1] = ((fn, *posts), waits, handler, args, name)
+
+    def append(
+        self,
+        waits: tuple[Callable[[], None], ...] = (),
+        handler: Callable[..., None] | None = None,
+        args: tuple = (),
+        name: str = "",
+    ) -> None:
+        """Add a trailing instruction: ``waits``, then ``handler(*args)`` in range ``name``."""
+        self.instrs.append(((), tuple(waits), handler, args, name))
+
+
+def _handler(runner: StageRunner, action: Action | None) -> tuple[object, tuple, str]:
+    if action is None:
+        return None, (), ""
+    local = runner.local
+    if action.op is Op.OVERLAP_F_B:
+        f, b = action.sub
+        args = (local[f.stage], f.microbatch, local[b.stage], b.microbatch, b.op is Op.B)
+        return runner.overlap, args, str(action)
+    handlers = {
+        Op.F: runner.forward,
+        Op.B: runner.backward_full,
+        Op.I: runner.backward_input,
+        Op.W: runner.weight,
+    }
+    return handlers[action.op], (local[action.stage], action.microbatch), str(action)
+
+
+def compile_program(
+    steps: Sequence[Step],
+    transfers: Sequence[Transfer],
+    placement: Placement,
+    rank: int,
+    runner: StageRunner,
+    engine: CommEngine,
+) -> Program:
+    """Bind this rank's lowered ``steps`` (with the ``transfers`` of the whole pipeline, from
+    ``graphpipe.lower.transfers``) to ``runner``'s handlers and ``engine``'s transfers."""
+    program = Program([], list(steps))
+    posts: list[list[SendTransfer | RecvTransfer]] = [[] for _ in steps]
+    by_recv: dict[Action, RecvTransfer] = {}
+    for spec in transfers:  # in order on each rank pair
+        if spec.src == rank:
+            t: SendTransfer | RecvTransfer = SendTransfer(engine, spec)
+            program.sends.append(t)
+            step = spec.send_step
+        elif spec.dst == rank:
+            t = RecvTransfer(engine, spec)
+            program.recvs.append(t)
+            for c in spec.recvs:
+                by_recv[c] = t
+            step = spec.recv_step
+        else:
+            continue
+        posts[step].append(t)
+        program.posted_at[id(t)] = step
+    waited: set[int] = set()
+    for k, step in enumerate(steps):
+        order = {c: i for i, c in enumerate(step.comms)}
+        batch = sorted(
+            posts[k],
+            key=lambda t: (isinstance(t, RecvTransfer), order[t.msgs[0].action]),
+        )
+        waits = []
+        if step.compute is not None:
+            for c in comms_needed(step.compute, placement):
+                t = by_recv[c]
+                if id(t) not in waited:
+                    waited.add(id(t))
+                    waits.append(t.wait)
+        fn, args, name = _handler(runner, step.compute)
+        program.instrs.append((tuple(t.post for t in batch), tuple(waits), fn, args, name))
+    return program

@@ -1,0 +1,288 @@
+"""The stage runner: F / I / B / W / overlap handlers and the per-micro-batch state.
+
+Owns this rank's stage modules, their weight-gradient stores, and, per local stage and
+micro-batch, the stage input (an autograd leaf), the output (with its graph), the output
+gradient and the input gradient waiting to be sent. The communication engine reads and
+writes that state only through ``take_*`` / ``store_*``; the handlers never touch P2P.
+
+May touch: the modules (forward, backward, ``.grad``), the ``WeightGradStore``s, the micro-
+batch tables, the loss buffers. Must not: talk to other ranks, allocate plan buffers.
+
+Local edges (the V-turn on rank N-1, or any two consecutive stages on one rank) pass their
+tensors directly: the forward of stage s+1 reads the output of stage s, and the backward of
+stage s reads the input gradient of stage s+1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphpipe.meta import StepRecord
+from graphpipe.weightgrad import WeightGradStore, make_deferrable
+
+__all__ = ["OVERLAP_HOOK", "StageRunner", "as_tuple"]
+
+Tensors = tuple[torch.Tensor, ...]
+OVERLAP_HOOK = "overlapped_forward_backward"
+
+
+def as_tuple(x: Any, what: str = "value") -> Tensors:
+    """``x`` as a tuple of tensors; ``TypeError`` naming ``what`` otherwise."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    got = type(x).__name__
+    if isinstance(x, (tuple, list)):
+        got += "[" + ", ".join(type(t).__name__ for t in x) + "]"
+    raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {got}")
+
+
+def _leaves(ts: Tensors) -> Tensors:
+    """Stage inputs as fresh autograd leaves (no copy) so that backward yields their grads."""
+    return tuple(
+        t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in ts
+    )
+
+
+class StageRunner:
+    """Runs this rank's stages. ``li`` is a local stage index (position in ``stage_ids``).
+
+    modules / stage_ids: this rank's stages, in ascending stage order.
+    last_stage: the stage whose output goes to ``loss_fn``.
+    num_microbatches: M; tables are indexed by micro-batch.
+    split: ``split[li][mb]`` is True when that micro-batch's backward is an ``I`` (its
+        forward then takes the deferrable Linear path).
+    defer: switch the stages' ``nn.Linear`` layers to ``DeferrableLinear`` (False: every
+        weight gradient is computed during ``I``; ``W`` actions then have nothing to do).
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        last_stage: int,
+        num_microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        device: torch.device,
+        split: list[list[bool]],
+        defer: bool = True,
+    ) -> None:
+        self.modules = tuple(modules)
+        self.stage_ids = tuple(stage_ids)
+        self.local = {s: li for li, s in enumerate(self.stage_ids)}
+        self.last_stage = last_stage
+        self.loss_fn = loss_fn
+        self.device = device
+        self.split = split
+        # The local stage feeding stage li (None: the batch or another rank), and the one
+        # that consumes stage li's input gradient.
+        self.prev_local = [self.local.get(s - 1) for s in self.stage_ids]
+        self.stores = tuple(WeightGradStore() for _ in self.modules)
+        self.num_deferrable = tuple(
+            make_deferrable(m, st) if defer else 0
+            for m, st in zip(self.modules, self.stores, strict=True)
+        )
+        m, k = num_microbatches, len(self.modules)
+        self.inputs: list[list[Any]] = [[None] * m for _ in range(k)]  # leaves
+        self.outputs: list[list[Any]] = [[None] * m for _ in range(k)]  # with autograd graph
+        self.grad_out: list[list[Any]] = [[None] * m for _ in range(k)]
+        self.grad_in: list[list[Any]] = [[None] * m for _ in range(k)]  # to send
+        self.mb_inputs: list[Tensors] = []
+        self.mb_labels: list[Any] = []
+        self.losses: torch.Tensor | None = None
+        self.seed: torch.Tensor | None = None
+        self.backward_seed: torch.Tensor | None = None
+        self.infer = False
+        self.infer_outputs: list[Any] = [None] * m
+        self.recorder: StepRecord | None = None
+        # CUDA: an overlapped pair without a hook runs its F on this stream (see overlap).
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # ------------------------------------------------------------ messages
+    def take_activation(self, li: int, mb: int) -> Tensors:
+        """The output of stage ``li`` to send (in inference it is dropped here)."""
+        out = self.outputs[li][mb]
+        if self.infer:
+            self.outputs[li][mb] = None
+        return tuple(t.detach().contiguous() for t in out)
+
+    def take_grad(self, li: int, mb: int) -> Tensors:
+        """The input gradient of stage ``li`` to send (dropped here)."""
+        g = self.grad_in[li][mb]
+        self.grad_in[li][mb] = None
+        return g
+
+    def store_activation(self, li: int, mb: int, bufs: Tensors) -> None:
+        self.inputs[li][mb] = bufs
+
+    def store_grad(self, li: int, mb: int, bufs: Tensors) -> None:
+        self.grad_out[li][mb] = bufs
+
+    # ------------------------------------------------------------ handlers
+    def _forward_inputs(self, li: int, mb: int) -> Tensors:
+        prev = self.prev_local[li]
+        if self.stage_ids[li] == 0:
+            x = self.mb_inputs[mb]
+        elif prev is not None:  # a local edge (the V-turn): the output of stage s-1
+            x = self.outputs[prev][mb]
+            if self.infer:
+                self.outputs[prev][mb] = None
+                x = tuple(t.detach() for t in x)
+            else:
+                x = _leaves(x)
+        else:
+            x = self.inputs[li][mb]
+            if x is None:
+                raise RuntimeError(
+                    f"stage {self.stage_ids[li]} has no input for micro-batch {mb}: "
+                    "its receive was never posted (a schedule without its RECV_F?)"
+                )
+            if not self.infer:
+                x = _leaves(x)
+        self.inputs[li][mb] = x
+        return x
+
+    def _finish_forward(self, li: int, mb: int, y: Any) -> None:
+        s = self.stage_ids[li]
+        y = as_tuple(y, f"the output of stage {s}")
+        if self.recorder is not None:
+            self.recorder.forward(s, mb, self.inputs[li][mb], y)
+        if s == self.last_stage:
+            if self.infer:
+                self.inputs[li][mb] = None
+                self.infer_outputs[mb] = y[0] if len(y) == 1 else y
+                return
+            loss = self.loss_fn(y[0] if len(y) == 1 else y, self.mb_labels[mb])
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                got = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(f"loss_fn must return a 0-dim tensor, got {got}")
+            self.losses[mb] = loss.detach()
+            y = (loss,)
+        elif self.infer:
+            self.inputs[li][mb] = None
+        self.outputs[li][mb] = y
+
+    def forward(self, li: int, mb: int) -> None:
+        x = self._forward_inputs(li, mb)
+        self.stores[li].split = self.split[li][mb]
+        self._finish_forward(li, mb, self.modules[li](*x))
+
+    def _backward_operands(self, li: int, mb: int) -> tuple[list, list]:
+        outs = self.outputs[li][mb]
+        if self.stage_ids[li] == self.last_stage:
+            return list(outs), [self.backward_seed]
+        grads = self.grad_out[li][mb]
+        if grads is None:
+            nxt = self.local.get(self.stage_ids[li] + 1)
+            raise RuntimeError(
+                f"stage {self.stage_ids[li]} has no output gradient for micro-batch {mb}"
+                + (" (the local next stage has not run its backward)" if nxt is not None else "")
+            )
+        tensors, gs = [], []
+        for t, g in zip(outs, grads, strict=True):
+            if t.requires_grad:
+                tensors.append(t)
+                gs.append(g)
+        return tensors, gs
+
+    def _finish_backward(self, li: int, mb: int) -> None:
+        """Drop the micro-batch's state and route its input gradients (send or local)."""
+        s = self.stage_ids[li]
+        x = self.inputs[li][mb]
+        self.inputs[li][mb] = self.outputs[li][mb] = self.grad_out[li][mb] = None
+        if s == 0:
+            return
+        gin = tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t)) for t in x if t.requires_grad
+        )
+        if self.recorder is not None:
+            self.recorder.backward(s, mb, gin)
+        prev = self.prev_local[li]
+        if prev is not None:  # a local edge: the grads go to stage s-1 directly
+            self.grad_out[prev][mb] = gin
+        else:
+            self.grad_in[li][mb] = gin
+
+    def backward_full(self, li: int, mb: int) -> None:
+        tensors, grads = self._backward_operands(li, mb)
+        self.stores[li].split = self.split[li][mb]  # an activation checkpoint recomputes F
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        self._finish_backward(li, mb)
+
+    def backward_input(self, li: int, mb: int) -> None:
+        tensors, grads = self._backward_operands(li, mb)
+        self.stores[li].split = self.split[li][mb]  # an activation checkpoint recomputes F
+        with self.stores[li].deferring((self.stage_ids[li], mb)):
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        self._finish_backward(li, mb)
+
+    def weight(self, li: int, mb: int) -> None:
+        self.stores[li].run((self.stage_ids[li], mb))
+
+    def overlap(self, fli: int, fmb: int, bli: int, bmb: int, full: bool) -> None:
+        """An F&B pair (``full``: the backward is a B, else an I).
+
+        With the stage's ``overlapped_forward_backward`` hook: the hook runs both (see
+        ``Pipeline``). Without: on CUDA the F runs on a side stream while the B runs on the
+        current one (forked and joined with events; captured as one region of the graph), so
+        that their kernels overlap; elsewhere F then B (their communication overlaps the
+        compute through the asynchronous P2P).
+        """
+        fmod, bmod = self.modules[fli], self.modules[bli]
+        hook = getattr(type(fmod), OVERLAP_HOOK, None)
+        if hook is not None and type(fmod) is type(bmod):
+            x = self._forward_inputs(fli, fmb)
+            # The B's stage first: with one stage on both sides the F's value must win.
+            self.stores[bli].split = self.split[bli][bmb]
+            self.stores[fli].split = self.split[fli][fmb]
+            tensors, grads = self._backward_operands(bli, bmb)
+            if full:
+                y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
+            else:
+                with self.stores[bli].deferring((self.stage_ids[bli], bmb)):
+                    y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
+            self._finish_forward(fli, fmb, y)
+            self._finish_backward(bli, bmb)
+            return
+        backward = self.backward_full if full else self.backward_input
+        side = self.side_stream
+        if side is None:
+            self.forward(fli, fmb)
+            backward(bli, bmb)
+            return
+        main = torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.forward(fli, fmb)
+        # The F's tensors are read on the main stream later (sends, the next stage): keep the
+        # caching allocator from reusing them before the main stream is done with them.
+        for t in self.outputs[fli][fmb] or ():
+            t.record_stream(main)
+        for t in self.inputs[fli][fmb] or ():
+            t.record_stream(side)
+        backward(bli, bmb)
+        main.wait_stream(side)
+
+    # --------------------------------------------------------------- steps
+    def begin(self, mb_inputs: list, mb_labels: list) -> None:
+        self.mb_inputs, self.mb_labels = mb_inputs, mb_labels
+
+    def drop_state(self) -> None:
+        """After a failed step: forget its micro-batches and deferred work."""
+        for table in (self.inputs, self.outputs, self.grad_out, self.grad_in):
+            for row in table:
+                row[:] = [None] * len(row)
+        for store in self.stores:
+            store.clear()
+        self.infer_outputs = [None] * len(self.infer_outputs)
+
+    def pending_weight_work(self) -> list[tuple[int, Any]]:
+        """``(stage, key)`` of deferred work left over (the schedule lacks W actions)."""
+        return [(self.stage_ids[li], k) for li, st in enumerate(self.stores) for k in st.pending()]
