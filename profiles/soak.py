@@ -16,9 +16,9 @@ rank 0 prints every rank's growth in bytes per step and the RSS at a few steps.
 ``--part`` bisects the step: ``pipeline`` (what ``graphpipe train`` runs: a batch on rank 0,
 ``DualPipeV.step``, AdamW), ``local`` (every stage of the model in one process, forward,
 backward, AdamW: no pipeline, no gloo), ``gloo`` (only the P2P exchange of the step's
-activation shapes between the two ranks), ``broadcast`` (only the two broadcasts a step does:
-the batch signature and the loss), ``data`` (only drawing batches), ``idle`` (the loop
-and the RSS read alone).
+activation shapes between the two ranks), ``broadcast`` (only two broadcasts per step, as
+many collectives as a pipeline step runs besides its P2P: the batch agreement and the loss),
+``data`` (only drawing batches), ``idle`` (the loop and the RSS read alone).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _step_fn(rank: int, world: int, opts: dict) -> Any:
     if part == "broadcast":
         sig, loss = torch.zeros(256, dtype=torch.int64), torch.zeros(())
 
-        def broadcasts() -> None:  # what DualPipeV.step adds to the P2P: two broadcasts
+        def broadcasts() -> None:  # a pipeline step's two collectives besides its P2P
             dist.broadcast(sig, src=0)
             dist.broadcast(loss, src=0)
 
