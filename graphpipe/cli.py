@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -246,8 +247,19 @@ def _lazy(name: str) -> Any:
     return importlib.import_module(f"graphpipe.{name}")
 
 
+def _version() -> str:
+    import torch
+
+    from graphpipe import __version__
+
+    return f"graphpipe {__version__} (torch {torch.__version__})"
+
+
 def _build_parser() -> _Parser:
     parser = _Parser(prog="graphpipe", description="DualPipeV pipeline-parallel training.")
+    parser.add_argument(
+        "--version", action="version", version=_version(), help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS.values():
         add(sub)
@@ -255,9 +267,23 @@ def _build_parser() -> _Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``graphpipe COMMAND ...``; returns the exit code (argparse errors exit with 2)."""
+    """Run ``graphpipe COMMAND ...``; returns the exit code.
+
+    Argument errors exit with 2, a failed rank with 1 (its traceback, once), Ctrl-C with 130
+    (one line; every spawned rank is stopped first).
+    """
+    from graphpipe.launch import RankFailed
+
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(f"choose a command: {', '.join(_SUBCOMMANDS)}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":  # once under torchrun
+            print(f"graphpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except RankFailed as e:
+        print(f"graphpipe {args.command}: {e}", file=sys.stderr)
+        return 1

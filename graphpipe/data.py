@@ -11,11 +11,11 @@ from __future__ import annotations
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["ByteBatches", "load_text_bytes", "stdlib_dir"]
+__all__ = ["ByteBatchIterator", "ByteBatches", "load_text_bytes", "stdlib_dir"]
 
 Split = Literal["all", "train", "val"]
 
@@ -76,7 +76,9 @@ class ByteBatches:
     Each batch is ``(inputs, labels)``, both int64 ``[batch_size, seq_len]`` and contiguous,
     with ``labels[:, t] == inputs[:, t + 1]`` inside the window (labels are the inputs shifted
     by one). Window offsets come from a ``torch.Generator`` seeded with ``seed``; every
-    ``iter()`` starts the same sequence again. ``num_batches`` makes it finite.
+    ``iter()`` starts the same sequence again and returns a ``ByteBatchIterator``, whose
+    ``state_dict()`` / ``load_state_dict()`` save and restore the position (for checkpoints).
+    ``num_batches`` makes it finite.
 
     split: ``"all"`` uses all of ``data``; ``"train"`` the head and ``"val"`` the held-out tail
     of ``val_fraction`` of it (windows never cross the boundary).
@@ -135,13 +137,64 @@ class ByteBatches:
             raise TypeError("an endless ByteBatches has no len(); pass num_batches")
         return self.num_batches
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        gen = torch.Generator().manual_seed(self.seed)
-        n_starts = len(self.data) - self.seq_len  # offsets 0 .. n_starts - 1
-        produced = 0
-        while self.num_batches is None or produced < self.num_batches:
-            offsets = torch.randint(n_starts, (self.batch_size,), generator=gen)
-            index = offsets.to(self.data.device)[:, None] + self._window
-            windows = self.data[index].to(device=self.device, dtype=torch.int64)
-            yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-            produced += 1
+    def __iter__(self) -> ByteBatchIterator:
+        return ByteBatchIterator(self)
+
+
+class ByteBatchIterator(Iterator[tuple[torch.Tensor, torch.Tensor]]):
+    """One pass over a ``ByteBatches``, with a state that checkpoints can save and restore.
+
+    ``position`` counts the batches drawn so far. ``state_dict()`` holds the position, the
+    window generator's state and the loader's settings; ``load_state_dict()`` of a fresh
+    iterator over an equal ``ByteBatches`` continues with exactly the batches the saved one
+    would have drawn next (it raises ``ValueError`` naming the setting that differs).
+    """
+
+    def __init__(self, batches: ByteBatches) -> None:
+        self.batches = batches
+        self.position = 0
+        self._gen = torch.Generator().manual_seed(batches.seed)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batches
+        if b.num_batches is not None and self.position >= b.num_batches:
+            raise StopIteration
+        n_starts = len(b.data) - b.seq_len  # offsets 0 .. n_starts - 1
+        offsets = torch.randint(n_starts, (b.batch_size,), generator=self._gen)
+        index = offsets.to(b.data.device)[:, None] + b._window
+        windows = b.data[index].to(device=b.device, dtype=torch.int64)
+        self.position += 1
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def _settings(self) -> dict[str, int | str]:
+        b = self.batches
+        return {
+            "seed": b.seed,
+            "batch_size": b.batch_size,
+            "seq_len": b.seq_len,
+            "split": b.split,
+            "tokens": len(b.data),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"position", "generator", "settings"}``: everything needed to continue."""
+        return {
+            "position": self.position,
+            "generator": self._gen.get_state(),
+            "settings": self._settings(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where the iterator that wrote ``state`` stopped."""
+        saved: dict[str, Any] = state["settings"]
+        for key, value in self._settings().items():
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"the saved data loader state has {key}={saved.get(key)!r}, "
+                    f"this loader has {key}={value!r}"
+                )
+        position = state["position"]
+        if not isinstance(position, int) or position < 0:
+            raise ValueError(f"the saved loader position must be an int >= 0, got {position!r}")
+        self._gen.set_state(state["generator"])
+        self.position = position

@@ -1,19 +1,45 @@
-"""Starting the ranks: spawn local gloo/NCCL processes, or join the world torchrun set up."""
+"""Starting the ranks: spawn local gloo/NCCL processes, or join the world torchrun set up.
+
+Spawned ranks ignore SIGINT: Ctrl-C reaches the whole foreground process group, and only the
+launching process acts on it (it stops every rank, then raises ``KeyboardInterrupt``), so no
+rank prints a traceback. A rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux). When
+a rank fails, the others are stopped and ``launch`` raises ``RankFailed`` with the rank's
+traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import gc
+import multiprocessing.connection
 import os
+import signal
 import socket
-from collections.abc import Callable
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["joined_torchrun", "launch"]
+__all__ = ["RankFailed", "joined_torchrun", "launch"]
+
+_STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank failed; the message names the rank and holds its traceback or exit code."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
 
 _TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -29,7 +55,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun_store(world: int) -> Any:
+    """Under a torchrun that restarts its workers: a store private to this attempt, or None.
+
+    torchrun's agent shares its TCPStore with the workers (``TORCHELASTIC_USE_AGENT_STORE``)
+    and keeps the same store across restarts (torch 2.13), so the keys that
+    ``init_process_group`` writes (each rank's gloo address, NCCL's unique id) are still
+    there from the failed attempt when the next one starts. A rank that reads a peer's key
+    before the peer has rewritten it connects to a dead address (gloo: "Connection refused",
+    seen in this project's restart test; torch issues 135712 and 167288). Prefixing the keys
+    with the restart count (the same on every worker of a fixed-size job, since torchrun
+    restarts them all together) keeps the attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=_TIMEOUT,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"graphpipe/attempt-{attempt}", store)
+
+
 def _init(rank: int, world: int, device: str) -> torch.device:
+    store = _torchrun_store(world) if joined_torchrun() else None
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but CUDA is not available")
@@ -42,14 +94,23 @@ def _init(rank: int, world: int, device: str) -> torch.device:
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
         dist.init_process_group(
-            "nccl", rank=rank, world_size=world, timeout=_TIMEOUT, device_id=dev
+            "nccl", store=store, rank=rank, world_size=world, timeout=_TIMEOUT, device_id=dev
         )
         return dev
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_TIMEOUT)
     return torch.device("cpu")
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+
 def _entry(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple) -> None:
+    _die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -75,7 +136,9 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
     """Run ``fn(rank, world, device, *args)`` on every rank.
 
     Under torchrun: this process is one rank of torchrun's world (``num_ranks`` is ignored).
-    Otherwise: spawns ``num_ranks`` processes on this machine.
+    Otherwise: spawns ``num_ranks`` processes on this machine and waits for them. Raises
+    ``RankFailed`` when a rank fails (after stopping the others) and ``KeyboardInterrupt`` on
+    Ctrl-C (after stopping every rank).
     """
     if joined_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -87,4 +150,89 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
         return
     if num_ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {num_ranks}")
-    mp.spawn(_entry, args=(num_ranks, _free_port(), device, fn, args), nprocs=num_ranks, join=True)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(num_ranks)]
+    procs = [
+        ctx.Process(target=_spawned, args=(r, num_ranks, port, device, fn, args, pipes[r][1]))
+        for r in range(num_ranks)
+    ]
+    try:
+        with _sigint_ignored():  # the ranks inherit the ignored SIGINT (see the module doc)
+            for p in procs:
+                p.start()
+        for _, sender in pipes:
+            sender.close()  # the ranks hold theirs
+        _wait(procs, [receiver for receiver, _ in pipes])
+    finally:
+        _stop(procs)
+
+
+def _spawned(
+    rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, report: Any
+) -> None:
+    try:
+        _entry(rank, world, port, device, fn, args)
+    except Exception:
+        report.send(traceback.format_exc())
+        sys.exit(1)
+
+
+def _wait(procs: list[Any], reports: list[Any]) -> None:
+    """Wait for every rank; on the first one that fails, raise ``RankFailed``.
+
+    A rank's traceback arrives on its pipe before it exits; reading the pipes while waiting
+    keeps a long traceback from filling the pipe and blocking the rank.
+    """
+    texts: dict[int, str] = {}
+    readers = {conn: rank for rank, conn in enumerate(reports)}
+    pending = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while pending:
+        for ready in multiprocessing.connection.wait([*pending, *readers]):
+            if ready in readers:
+                rank = readers.pop(ready)
+                with contextlib.suppress(EOFError, OSError):
+                    texts[rank] = ready.recv()
+                continue
+            rank = pending.pop(ready)
+            p = procs[rank]
+            p.join()
+            if p.exitcode == 0:
+                continue
+            conn = reports[rank]
+            if rank not in texts and conn in readers and conn.poll():
+                with contextlib.suppress(EOFError, OSError):
+                    texts[rank] = conn.recv()
+            if rank in texts:
+                raise RankFailed(rank, f"rank {rank} failed:\n{texts[rank].rstrip()}")
+            if p.exitcode < 0:
+                name = signal.Signals(-p.exitcode).name
+                raise RankFailed(rank, f"rank {rank} was killed by {name}")
+            raise RankFailed(rank, f"rank {rank} exited with status {p.exitcode}")
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set signal handlers (and receives SIGINT)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop(procs: list[Any]) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after a grace period; join all."""
+    with _sigint_ignored():  # a second Ctrl-C must not leave ranks behind
+        alive = [p for p in procs if p.pid is not None and p.is_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in alive:
+            if p.is_alive():
+                p.kill()
+                p.join()

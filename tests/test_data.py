@@ -167,3 +167,44 @@ def test_bad_data() -> None:
         ByteBatches(torch.zeros(4, 100, dtype=torch.int64), 2, 8)
     with pytest.raises(ValueError, match="float32"):
         ByteBatches(torch.zeros(100), 2, 8)
+
+
+def test_a_restored_iterator_continues_with_the_same_batches() -> None:
+    data = torch.arange(500) % 256
+    it = iter(ByteBatches(data, 4, 16, seed=5))
+    for _ in range(7):
+        next(it)
+    state = it.state_dict()
+    expected = [next(it)[0] for _ in range(3)]
+    resumed = iter(ByteBatches(data, 4, 16, seed=5))
+    resumed.load_state_dict(state)
+    assert resumed.position == 7
+    for want in expected:
+        assert torch.equal(next(resumed)[0], want)
+    assert resumed.position == 10
+
+
+def test_a_restored_finite_iterator_stops_at_num_batches() -> None:
+    data = torch.arange(500) % 256
+    it = iter(ByteBatches(data, 2, 8, num_batches=5))
+    for _ in range(4):
+        next(it)
+    resumed = iter(ByteBatches(data, 2, 8, num_batches=5))
+    resumed.load_state_dict(it.state_dict())
+    assert len(list(resumed)) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"seed": 1}, "seed=0, this loader has seed=1"),
+        ({"batch_size": 3}, "batch_size=4, this loader has batch_size=3"),
+        ({"seq_len": 8}, "seq_len=16, this loader has seq_len=8"),
+    ],
+)
+def test_loading_the_state_of_another_loader_names_the_setting(kwargs: dict, match: str) -> None:
+    data = torch.arange(500) % 256
+    state = iter(ByteBatches(data, 4, 16, seed=0)).state_dict()
+    other = iter(ByteBatches(data, **{"batch_size": 4, "seq_len": 16, "seed": 0, **kwargs}))
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(state)

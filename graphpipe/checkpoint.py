@@ -1,0 +1,351 @@
+"""Save and resume a pipeline's training state with ``torch.distributed.checkpoint`` (DCP).
+
+Every rank calls the same function with its own stages, keyed by their global stage index
+(``{r: stage_r, 2N-1-r: stage_2N-1-r}`` on rank ``r`` of a DualPipeV pipeline)::
+
+    from graphpipe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    stages = {rank: mine[0], 2 * n - 1 - rank: mine[1]}
+    start = 0
+    if (path := latest_checkpoint("ckpt")) is not None:
+        start = load_checkpoint(path, stages, opt, extra={"data": batches})
+    for step in range(start + 1, total + 1):
+        ...  # pipe.step, opt.step
+        if step % 100 == 0:
+            save_checkpoint("ckpt", step, stages, opt, extra={"data": batches})
+
+What one checkpoint ``ROOT/step-00000100`` holds (one DCP checkpoint, all ranks' files):
+
+- ``model.stage{i}.{key}``: each stage's own ``state_dict()`` keys under its stage index, so
+  the tensors of different ranks never share a name (DCP's planner treats tensors of equal
+  name on several ranks as replicas and keeps one copy). graphpipe's in-place ``nn.Linear``
+  class swap leaves every key as it was. A weight tied between stage 0 and stage 2N-1 (both
+  on rank 0) is saved under both names and loaded into the one parameter.
+- ``optim.*``: the optimizer state from ``torch.distributed.checkpoint.state_dict`` with
+  ``flatten_optimizer_state_dict=True``: every entry, param groups included, is keyed by the
+  parameter's name above, so ranks' optimizers never collide either (a tied parameter has
+  one optimizer state).
+- ``step``: the global step.
+- ``rank{r}.rng``: rank ``r``'s random number generator states: torch's CPU generator,
+  every CUDA device's generator once CUDA is initialized, Python's ``random`` and NumPy's
+  global generator.
+- ``rank{r}.{name}``: every ``extra`` object of rank ``r`` with ``state_dict()`` and
+  ``load_state_dict()``, for example the data iterator
+  (``graphpipe.data.ByteBatchIterator``).
+- ``graphpipe.json``: written by rank 0 after every rank's files are complete (write to a
+  temporary name, then rename). A checkpoint directory without it is incomplete (a rank died
+  while saving) and is ignored by ``latest_checkpoint``, overwritten by a later save of the
+  same step and deleted by pruning.
+
+Resuming needs the same number of ranks and the same stage split. Load before the
+pipeline's first step: a captured step (``capture=...``, ``capture_optimizer=...``) holds the
+optimizer's state tensors, which loading replaces. Resuming from a
+checkpoint and continuing reproduces an uninterrupted run bit for bit when the step is
+deterministic (``graphpipe train`` is; ``tests/test_checkpoint*.py`` check it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = [
+    "MARKER",
+    "checkpoint_info",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+MARKER = "graphpipe.json"
+"""The file that marks a checkpoint directory complete (its step, ranks and stages)."""
+
+_FORMAT = "graphpipe-checkpoint-1"
+_NAME = re.compile(r"step-(\d+)")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def checkpoint_path(root: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives: ``ROOT/step-00000012``."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got step={step!r}")
+    return Path(root) / f"step-{step:08d}"
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        info = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("format") == _FORMAT else None
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` as (step, path), oldest first."""
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            m = _NAME.fullmatch(child.name)
+            if m and child.is_dir() and _read_marker(child) is not None:
+                found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
+    """What the marker of the checkpoint at ``path`` says: ``{"step", "world_size", "stages",
+    "meta"}`` (``stages[r]``: rank r's stage indices; ``meta``: what the saver passed).
+
+    Raises ``FileNotFoundError`` naming ``path`` when it is not a complete checkpoint.
+    """
+    info = _read_marker(Path(path))
+    if info is None:
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete graphpipe checkpoint (no readable {MARKER})"
+        )
+    return {k: info.get(k) for k in ("step", "world_size", "stages", "meta")}
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None if there is none or no ``root``)."""
+    found = _complete(Path(root))
+    return found[-1][1] if found else None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size ((0, 1) without a process group)."""
+    if _distributed():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _check_stages(stages: Mapping[int, nn.Module]) -> nn.ModuleDict:
+    if not isinstance(stages, Mapping) or not stages:
+        raise ValueError(
+            f"stages must map global stage indices to this rank's modules, got {stages!r}"
+        )
+    for index, module in stages.items():
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"stage indices must be ints >= 0, got {index!r}")
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"stage {index} must be an nn.Module, got {type(module).__name__}")
+    # A ModuleDict only refers to the stages: their parameters, keys and classes stay as they
+    # are, and every key gets the prefix stage{i}.
+    return nn.ModuleDict({f"stage{i}": stages[i] for i in sorted(stages)})
+
+
+def _optimizers(optimizer: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    return tuple(optimizer)
+
+
+def _state(
+    model: nn.ModuleDict,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    rank: int,
+    step: int,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    if optimizers:
+        msd, osd = get_state_dict(model, optimizers, options=_OPTIONS)
+    else:
+        msd, osd = get_model_state_dict(model, options=_OPTIONS), {}
+    mine: dict[str, Any] = {"rng": _rng_bytes()}
+    for name, obj in (extra or {}).items():
+        if name == "rng" or not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ValueError(
+                f"extra[{name!r}] must be an object with state_dict() and load_state_dict() "
+                f"and not be named 'rng', got {type(obj).__name__}"
+            )
+        mine[name] = obj.state_dict()  # DCP expands Stateful objects at the top level only
+    return {"model": msd, "optim": osd, "step": step, f"rank{rank}": mine}
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    stages: Mapping[int, nn.Module],
+    optimizer: Optimizers = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save this rank's share of the training state in ``ROOT/step-{step:08d}`` (all ranks call).
+
+    stages: this rank's stages by global stage index.
+    optimizer: one optimizer or several over those stages' parameters (or None).
+    extra: this rank's other state, objects with ``state_dict()``/``load_state_dict()`` (e.g.
+        ``{"data": batch_iterator}``).
+    keep: after saving, delete all but the newest ``keep`` complete checkpoints (and the
+        incomplete ones older than this one); None keeps all.
+    meta: JSON-serializable facts for the marker (rank 0's are kept), read back by
+        ``checkpoint_info``: e.g. the settings a resumed run must share.
+    group: the process group of the pipeline's ranks (default: the world).
+
+    Returns the checkpoint's path once it is complete on every rank.
+    """
+    path = checkpoint_path(root, step)
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"keep must be None or an int >= 1, got keep={keep!r}")
+    model = _check_stages(stages)
+    try:
+        json.dumps(dict(meta or {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta must be JSON-serializable: {e}") from None
+    rank, world = _world(group)
+    distributed = _distributed()
+    state = _state(model, _optimizers(optimizer), rank, step, extra)
+    stage_lists: list[Any] = [sorted(stages)]
+    if distributed:
+        stage_lists = [None] * world
+        dist.all_gather_object(stage_lists, sorted(stages), group=group)
+    if rank == 0 and path.exists():  # an incomplete (or old) checkpoint of this step
+        shutil.rmtree(path)
+    if distributed:
+        dist.barrier(group=group)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=path, process_group=group, no_dist=not distributed)
+    if rank == 0:
+        info = {
+            "format": _FORMAT,
+            "step": step,
+            "world_size": world,
+            "stages": stage_lists,
+            "meta": dict(meta or {}),
+        }
+        tmp = path / (MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / MARKER)
+        if keep is not None:
+            _prune(Path(root), step, keep)
+    if distributed:
+        dist.barrier(group=group)
+    return path
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    complete = _complete(root)
+    doomed = [p for _, p in complete[:-keep]]
+    for child in root.iterdir():
+        m = _NAME.fullmatch(child.name)
+        if m and int(m.group(1)) < step and _read_marker(child) is None and child.is_dir():
+            doomed.append(child)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    stages: Mapping[int, nn.Module],
+    optimizer: Optimizers = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> int:
+    """Load the state ``save_checkpoint`` wrote at ``path`` into this rank's objects; every rank
+    calls it with the arguments it saved with. Returns the checkpoint's step.
+
+    The stages' parameters and buffers, the optimizer state (a fresh optimizer is fine), the
+    random number generators and every ``extra`` object are restored. Raises
+    ``FileNotFoundError`` for an incomplete or missing checkpoint and ``ValueError`` when the
+    ranks or stages differ from the saved ones.
+    """
+    path = Path(path)
+    info = checkpoint_info(path)
+    model = _check_stages(stages)
+    rank, world = _world(group)
+    if info["world_size"] != world:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was saved by {info['world_size']} ranks, "
+            f"this run has {world}"
+        )
+    saved_stages = info["stages"][rank]
+    if saved_stages != sorted(stages):
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds stages {saved_stages} for rank {rank}, "
+            f"this rank has stages {sorted(stages)}"
+        )
+    optimizers = _optimizers(optimizer)
+    state = _state(model, optimizers, rank, -1, extra)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+    if optimizers:
+        set_state_dict(
+            model,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_OPTIONS,
+        )
+    else:
+        set_model_state_dict(model, state["model"], options=_OPTIONS)
+    mine = state[f"rank{rank}"]
+    _restore_rng(mine["rng"])
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(mine[name])
+    return int(state["step"])
+
+
+def _rng_bytes() -> bytes:
+    states = {
+        "torch": torch.get_rng_state(),
+        # Only once CUDA is in use: asking earlier would create a CUDA context on GPU 0 in
+        # every rank of a CPU run.
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    return pickle.dumps(states)
+
+
+def _restore_rng(blob: bytes) -> None:
+    states = pickle.loads(blob)
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
