@@ -1,7 +1,9 @@
 """``graphpipe train``: train the built-in byte-level Llama with DualPipeV.
 
 Rank 0 shows a progress bar (loss, tokens/s, step time) and writes ``--metrics`` as JSON
-lines: ``{"step", "loss", "step_time_s", "tokens_per_s"}``.
+lines: ``{"step", "loss", "step_time_s", "tokens_per_s"}``, plus ``"dropped_tokens"`` with
+``--experts`` (the (token, expert) assignments past capacity in the step, over every MoE
+block of every rank; the loss then includes the load-balancing term).
 """
 
 from __future__ import annotations
@@ -98,6 +100,57 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
     )
+    _add_moe_options(p)
+
+
+def _add_moe_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument(
+        "--experts", type=int, default=0, help="experts per MoE block; 0: dense (default 0)"
+    )
+    g.add_argument("--top-k", type=int, default=1, help="experts per token (default 1)")
+    g.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.25,
+        help="slots per expert = ceil(C * tokens * k / experts) (default 1.25)",
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks, carved out of the data-parallel ones: needs --dp (default 1)",
+    )
+
+
+def _check_moe(args: argparse.Namespace) -> str | None:
+    if args.experts < 0:
+        return f"--experts must be >= 0, got {args.experts}"
+    if args.top_k < 1 or (args.experts and args.top_k > args.experts):
+        return f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}"
+    if not args.capacity_factor > 0:
+        return f"--capacity-factor must be > 0, got {args.capacity_factor}"
+    if args.ep < 1 or (args.experts and args.experts % args.ep):
+        return f"--ep must be >= 1 and divide --experts {args.experts}, got {args.ep}"
+    if args.ep > 1:
+        # The ep group is carved out of the data-parallel group (graphpipe.models.
+        # expert_parallel_groups); wiring it needs --dp (issue 12) in build_rank.
+        return (
+            f"--ep {args.ep} needs data parallelism (--dp, issue 12), which this build lacks: "
+            "the expert-parallel group is carved out of the data-parallel one; use --ep 1"
+        )
+    return None
+
+
+def _moe_config(opts: dict) -> dict:
+    """The ``LlamaConfig`` fields of the MoE options (none for a dense run)."""
+    if not opts.get("experts"):
+        return {}
+    return {
+        "num_experts": opts["experts"],
+        "top_k": opts["top_k"],
+        "capacity_factor": opts["capacity_factor"],
+    }
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -114,6 +167,9 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--hidden {args.hidden} is not a multiple of --heads {args.heads}"
     if args.data is not None and not os.path.isfile(args.data):
         return f"--data {args.data}: no such file"
+    problem = _check_moe(args)
+    if problem is not None:
+        return problem
     args.microbatches = m
     return None
 
@@ -177,6 +233,7 @@ def build_rank(
         n_heads=opts["heads"],
         max_seq_len=opts["seq_len"],
         use_kernels=not opts["no_kernels"],
+        **_moe_config(opts),
     )
     stages = build_stages(cfg, 2 * world, seed=opts["seed"], device=device)
     mine = (stages[rank], stages[2 * world - 1 - rank])
@@ -199,15 +256,42 @@ def build_rank(
     return RankRun(pipe, opt, batches, opts, device)
 
 
+class _DroppedTokens:
+    """The MoE blocks' dropped-token counters of this rank's stages: zeroed before each step
+    (in place, so a captured step keeps counting into them), summed on the device over the
+    step and over all ranks by one all-reduce, read on the host once per step."""
+
+    def __init__(self, modules: Any, device: torch.device) -> None:
+        self.modules, self.device, self.total = modules, device, 0
+
+    def reset(self) -> None:
+        from .models import reset_dropped_tokens
+
+        reset_dropped_tokens(self.modules)
+
+    def gather(self) -> None:
+        import torch.distributed as dist
+
+        from .models import dropped_tokens
+
+        count = dropped_tokens(self.modules).to(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(count)
+        self.total = int(count)
+
+
 def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     run = build_rank(rank, world, device, opts)
     tokens = opts["batch_size"] * opts["seq_len"]
     progress = Progress(opts["steps"]) if rank == 0 else None
     out = open(opts["metrics"], "w") if rank == 0 and opts["metrics"] else None
     first = last = None
+    drops = _DroppedTokens(run.pipe.modules, device) if opts.get("experts") else None
     try:
         for step in range(1, opts["steps"] + 1):
             x, y = run.next_batch()
+            if drops is not None:
+                drops.reset()
             t0 = time.perf_counter()
             loss = run.step(x, y)
             if device.type == "cuda":
@@ -220,8 +304,12 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
                 progress.update(
                     step, f"loss {value:.3f} | {tokens / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/step"
                 )
+            if drops is not None and opts["metrics"]:
+                drops.gather()  # every rank: one all-reduce, read once on rank 0
             if out is not None:
                 rec = {"step": step, "loss": value, "step_time_s": dt, "tokens_per_s": tokens / dt}
+                if drops is not None:
+                    rec["dropped_tokens"] = drops.total
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
     finally:
