@@ -57,3 +57,30 @@ def test_train_rejects_bad_moe_options_naming_the_value(args, message) -> None:
     proc = _train("--steps", "1", *args)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_bench_moe_regime_writes_the_pair_against_f_then_b(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "moe.json"
+    args = ["--regime", "moe", "--steps", "2", "--warmup", "0", "--hidden", "64"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphpipe", "bench", *args, "--mb-rows", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())["moe"]
+    assert row["bitwise_equal"] is True
+    assert (row["ranks"], row["ep"], row["moe_layers"], row["tokens_per_microbatch"]) == (
+        2,
+        2,
+        2,
+        128,
+    )
+    for key in ("pair_s", "f_then_b_s", "f_s", "b_s", "pair_exposed_wait_s"):
+        assert len(row[key]["all"]) == 2 and row[key]["median"] >= 0
+    assert row["pair_over_f_then_b"] > 0
+    assert "pair / (F then B)" in proc.stdout
