@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from graphpipe.weightgrad import _accumulate
@@ -94,7 +93,9 @@ def route_top_k(logits: torch.Tensor, top_k: int, capacity: int) -> Routing:
     probs = torch.softmax(logits, dim=-1)
     top_p, top_e = probs.topk(top_k, dim=-1)  # [N, k]
     choice = top_e.t().reshape(-1)  # choice-major: all first choices first
-    onehot = F.one_hot(choice, e)  # [k * N, E]
+    # [k * N, E] one-hot by scatter: F.one_hot checks the class range with .item() on CPU
+    onehot = torch.zeros(choice.numel(), e, dtype=torch.int64, device=choice.device)
+    onehot.scatter_(1, choice.unsqueeze(1), 1)
     position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # place in the expert's queue
     kept = position < capacity
     slots = torch.where(kept, choice * capacity + position, e * capacity)

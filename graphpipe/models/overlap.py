@@ -121,6 +121,7 @@ class Exchange:
         if group is None or dist.get_world_size(group) == 1:
             self._out = x
         else:
+            x = x.contiguous()
             self._out = torch.empty_like(x)
             if x.is_cuda:
                 cur = torch.cuda.current_stream(x.device)
