@@ -2,9 +2,10 @@
 
 from .errors import PipelineError
 from .ir import Action, Op, load_csv
-from .runtime import DualPipeV, Pipeline
+from .runtime import DualPipeV, Pipeline, clip_grad_norm_
 from .schedules import dualpipev
 from .simulate import Costs
+from .weightgrad import no_defer
 
 __all__ = [
     "Action",
@@ -13,7 +14,9 @@ __all__ = [
     "Op",
     "Pipeline",
     "PipelineError",
+    "clip_grad_norm_",
     "dualpipev",
     "load_csv",
+    "no_defer",
 ]
 __version__ = "0.1.0"

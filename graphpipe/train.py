@@ -53,6 +53,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     add_model_options(p)
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel replicas of the pipeline: world = ranks x dp, the batch is split "
+        "across them (default 1)",
+    )
     p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     p.add_argument("--metrics", default=None, help="write per-step metrics here (JSON lines)")
     p.set_defaults(func=run)
@@ -158,11 +165,15 @@ def _check(args: argparse.Namespace) -> str | None:
     for name in ("ranks", "batch_size", "seq_len", "hidden", "layers", "heads", "steps"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    dp = getattr(args, "dp", 1)
+    if dp < 1:
+        return f"--dp must be >= 1, got {dp}"
     m = args.microbatches if args.microbatches is not None else 4 * args.ranks
     if m < 2 * args.ranks:
         return f"--microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
-    if args.batch_size % m:
-        return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches"
+    if args.batch_size % (dp * m):
+        per = f" on each of --dp {dp} replicas" if dp > 1 else ""
+        return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches{per}"
     if args.hidden % args.heads:
         return f"--hidden {args.hidden} is not a multiple of --heads {args.heads}"
     if args.data is not None and not os.path.isfile(args.data):
@@ -177,13 +188,20 @@ def _check(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from .launch import joined_torchrun, launch
 
-    if joined_torchrun():
-        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
+    if joined_torchrun():  # torchrun's world decides: WORLD_SIZE = ranks x dp
+        world = int(os.environ["WORLD_SIZE"])
+        if world % args.dp:
+            print(
+                f"graphpipe train: error: --dp {args.dp} does not divide WORLD_SIZE {world}",
+                file=sys.stderr,
+            )
+            return 2
+        args.ranks = world // args.dp
     problem = _check(args)
     if problem is not None:
         print(f"graphpipe train: error: {problem}", file=sys.stderr)
         return 2
-    launch(_train_rank, args.ranks, args.device, vars(args).copy())
+    launch(_train_rank, args.ranks * args.dp, args.device, vars(args).copy())
     return 0
 
 
@@ -219,14 +237,21 @@ def build_rank(
     rank: int, world: int, device: torch.device, opts: dict, prog: str = "graphpipe train"
 ) -> RankRun:
     """This rank's stages of the built-in model, its pipeline and optimizer, from the
-    options of ``add_model_options``; rank 0 prints one line about the run as ``prog``."""
+    options of ``add_model_options``; rank 0 prints one line about the run as ``prog``.
+
+    With ``opts["dp"] = D > 1`` the world is a ``("dp", "pp")`` mesh of D replicas of a
+    ``world / D``-rank pipeline (global rank ``d * N + p``); each replica's first rank takes
+    its ``1/D`` share of every batch."""
     from . import DualPipeV
     from .data import ByteBatches, load_text_bytes
     from .models import LlamaConfig, LlamaLoss, build_stages, num_parameters, unique_parameters
 
     opts = dict(opts)
+    dp = opts.get("dp", 1)
+    n, d, p = world // dp, rank // (world // dp), rank % (world // dp)
+    groups = _mesh_groups(device, dp, n) if dp > 1 else {}
     if opts.get("microbatches") is None:
-        opts["microbatches"] = 4 * world
+        opts["microbatches"] = 4 * n
     cfg = LlamaConfig(
         hidden=opts["hidden"],
         n_layers=opts["layers"],
@@ -235,25 +260,43 @@ def build_rank(
         use_kernels=not opts["no_kernels"],
         **_moe_config(opts),
     )
-    stages = build_stages(cfg, 2 * world, seed=opts["seed"], device=device)
-    mine = (stages[rank], stages[2 * world - 1 - rank])
+    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device)
+    mine = (stages[p], stages[2 * n - 1 - p])
     loss_fn = LlamaLoss(cfg.use_kernels)
     capture = False if opts["capture"] == "none" else opts["capture"]
-    pipe = DualPipeV(mine, num_microbatches=opts["microbatches"], loss_fn=loss_fn, capture=capture)
+    pipe = DualPipeV(
+        mine, num_microbatches=opts["microbatches"], loss_fn=loss_fn, capture=capture, **groups
+    )
     params = unique_parameters(mine)
     opt = torch.optim.AdamW(params, lr=opts["lr"])
     batches = None
-    if rank == 0:
+    if p == 0:
         data = load_text_bytes(opts["data"])
         batches = iter(ByteBatches(data, opts["batch_size"], opts["seq_len"], seed=opts["seed"]))
+        if dp > 1:  # every replica draws the same global batches and takes its share
+            share = opts["batch_size"] // dp
+            batches = (
+                (x[d * share : (d + 1) * share], y[d * share : (d + 1) * share]) for x, y in batches
+            )
+    if rank == 0:
         print(
-            f"{prog}: {world} ranks x 2 stages, {opts['microbatches']} micro-batches, "
+            f"{prog}: {n} ranks x 2 stages"
+            + (f" x {dp} replicas" if dp > 1 else "")
+            + f", {opts['microbatches']} micro-batches, "
             f"{num_parameters(stages):,} parameters, {len(data):,} bytes of "
             f"{opts['data'] or 'Python stdlib source'}, device {device.type}",
             file=sys.stderr,
             flush=True,
         )
     return RankRun(pipe, opt, batches, opts, device)
+
+
+def _mesh_groups(device: torch.device, dp: int, n: int) -> dict:
+    """``group`` and ``dp_group`` of this rank in a ``("dp", "pp")`` mesh of ``dp`` x ``n``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dp, n), mesh_dim_names=("dp", "pp"))
+    return {"group": mesh.get_group("pp"), "dp_group": mesh.get_group("dp")}
 
 
 class _DroppedTokens:

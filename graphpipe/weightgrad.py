@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable"]
+__all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable", "no_defer"]
+
+_NO_DEFER = "_graphpipe_no_defer"
 
 
 class WeightGradStore:
@@ -39,7 +41,10 @@ class WeightGradStore:
         self._key: Hashable | None = None
         # Whether forwards run now may have their backward split into I + W. The executor
         # clears it for micro-batches whose backward is a full B, which then use plain
-        # F.linear autograd (cheaper than the custom Function on the host).
+        # F.linear autograd (cheaper than the custom Function on the host). It sets it again
+        # before each backward, to the value of that micro-batch's forward: an activation
+        # checkpoint recomputes the forward during the backward, and the recompute must take
+        # the same path (the two paths save different tensors: x and W, or x and W^T).
         self.split = True
 
     @contextmanager
@@ -158,18 +163,42 @@ class DeferrableLinear(nn.Linear):
         return _LinearFn.apply(x, weight, bias, self, store)
 
 
+def no_defer(module: nn.Module) -> nn.Module:
+    """Mark ``module`` (and everything inside it) to keep its ``nn.Linear`` layers as they are:
+    a pipeline built afterwards does not switch them to ``DeferrableLinear``, so their weight
+    gradients are computed during ``I`` like any other parameter's. Returns ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"no_defer takes an nn.Module, got {type(module).__name__}")
+    object.__setattr__(module, _NO_DEFER, True)
+    return module
+
+
+def _unmarked_modules(module: nn.Module) -> Iterator[nn.Module]:
+    """``module.modules()`` without the subtrees marked by ``no_defer`` (each module once)."""
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or m.__dict__.get(_NO_DEFER, False):
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(reversed(list(m.children())))
+
+
 def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
     """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``,
     and hand ``store`` to every submodule with a ``bind_weight_grad_store(store)`` method.
 
-    Subclasses of ``nn.Linear`` are left alone (their forward may differ). A custom layer
+    Subclasses of ``nn.Linear`` and modules marked by ``no_defer`` (with their contents) are
+    left alone. A custom layer
     defers its weight-gradient work by binding the store and, in its backward, calling
     ``store.defer(fn, *args)`` (which stashes ``fn(*args)`` for the ``W`` action and returns
     True during an ``I``, and returns False otherwise: then it runs the work at once).
     Returns the number of layers now deferrable.
     """
     count = 0
-    for m in module.modules():
+    for m in _unmarked_modules(module):
         if type(m) is nn.Linear:
             m.__class__ = DeferrableLinear
         if type(m) is DeferrableLinear:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -120,6 +121,31 @@ def device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a row-wise kernel covers rows of ``n_cols`` columns.
+
+    Each op chooses it with a pure function of the shape (``rms_norm_config``,
+    ``swiglu_config``, ``cross_entropy_config``) that its launchers call, so tests and the
+    sm_90 compile check see exactly the launchers' choice.
+    """
+
+    block: int
+    """Columns one program holds at once (a power of two)."""
+    num_warps: int
+    """Warps per program."""
+    n_chunks: int
+    """``block``-wide pieces per row: ``cdiv(n_cols, block)`` (1: the whole row at once)."""
+
+    def __post_init__(self) -> None:
+        if self.block < 1 or self.block & (self.block - 1):
+            raise ValueError(f"block must be a power of two, got {self.block}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two up to 32, got {self.num_warps}")
+        if self.n_chunks < 1:
+            raise ValueError(f"n_chunks must be >= 1, got {self.n_chunks}")
+
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -142,6 +168,7 @@ __all__ = [
     "ENV_VAR",
     "HAS_TRITON",
     "KERNELS_INTERPRETED",
+    "LaunchConfig",
     "device_guard",
     "interpreter_ready",
     "kernel_mode",

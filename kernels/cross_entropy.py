@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import device_guard, tl, triton, use_triton
+from ._dispatch import LaunchConfig, device_guard, tl, triton, use_triton
 
 CROSS_ENTROPY_TRAFFIC_FLOOR: tuple[int, int] = (1, 2)
 IGNORE_INDEX = -100
@@ -104,12 +104,14 @@ def _cross_entropy_bwd_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _block_and_warps(n_cols: int, block_size: int | None) -> tuple[int, int]:
+def cross_entropy_config(n_cols: int, block_size: int | None = None) -> LaunchConfig:
+    """The launch configuration for a vocab of ``n_cols``: one program per row looping over
+    ``n_chunks`` chunks of ``block`` logits; ``block_size`` overrides the chunk width."""
     block = block_size or min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
     if block & (block - 1):
         raise ValueError(f"block_size must be a power of two, got {block}")
     num_warps = 8 if block >= 2048 else 4 if block >= 512 else 1
-    return block, num_warps
+    return LaunchConfig(block, num_warps, triton.cdiv(max(n_cols, 1), block))
 
 
 def _as_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ def cross_entropy_forward(
     device tensors.
     """
     n_rows, n_cols = logits.shape
-    block, num_warps = _block_and_warps(n_cols, block_size)
+    cfg = cross_entropy_config(n_cols, block_size)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
@@ -144,8 +146,8 @@ def cross_entropy_forward(
                 logits.stride(0),
                 ignore_index,
                 FLOAT32_LOWEST=_FLOAT32_LOWEST,
-                BLOCK=block,
-                num_warps=num_warps,
+                BLOCK=cfg.block,
+                num_warps=cfg.num_warps,
             )
     n_valid = (target != ignore_index).sum().to(torch.float32)
     loss = (loss_rows.sum() / n_valid).to(logits.dtype)
@@ -167,7 +169,7 @@ def cross_entropy_backward(
     gradient ``(softmax - onehot) * grad_output / n_valid`` into it in ``logits.dtype``.
     """
     n_rows, n_cols = logits.shape
-    block, num_warps = _block_and_warps(n_cols, block_size)
+    cfg = cross_entropy_config(n_cols, block_size)
     grad = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
     if n_rows > 0:
         with device_guard(logits):
@@ -182,8 +184,8 @@ def cross_entropy_backward(
                 logits.stride(0),
                 grad.stride(0),
                 ignore_index,
-                BLOCK=block,
-                num_warps=num_warps,
+                BLOCK=cfg.block,
+                num_warps=cfg.num_warps,
             )
     return grad
 
@@ -259,6 +261,7 @@ __all__ = [
     "IGNORE_INDEX",
     "cross_entropy",
     "cross_entropy_backward",
+    "cross_entropy_config",
     "cross_entropy_forward",
     "cross_entropy_reference",
 ]

@@ -12,24 +12,49 @@
 #                      bwd: read new_residual, dy, d(new_residual),
 #                           write dx (returned for residual too)   = 4 s bytes / element
 #
-# One program normalises one whole row held in registers, so N is limited to
-# MAX_FUSED_WIDTH columns (registers spill beyond 8192). The backward is persistent: a
-# fixed number of programs loop over rows, each accumulating a float32 partial dweight
-# row; torch sums the partials.
+# Two paths, chosen by rms_norm_config from the row width N:
+#
+# * Fused (N <= MAX_FUSED_WIDTH = 8192): one program normalises one whole row held in
+#   registers, which meets the floor above. The backward is persistent: a fixed number of
+#   programs loop over rows, each accumulating a float32 partial dweight row; torch sums the
+#   partials. Why 8192: compiled for sm_90 with the launch configuration below, every fused
+#   kernel is free of register spills up to 8192 columns, and the backward spills from 16384
+#   on (32 warps, 64 registers per thread, 136-184 bytes of stack frame per thread in fp32 and
+#   bf16; tests/kernels/test_compile_sm90.py, cuobjdump of the cubin).
+# * Looped (N > MAX_FUSED_WIDTH): rows go in LOOPED_BLOCK-wide chunks. The forward makes two
+#   passes over its row (sum of squares, then normalise; the residual variant stores
+#   new_residual in the first pass and reads it back in the second): +1 s bytes / element
+#   over the floor, the second read mostly from L2. The backward first computes the per-row
+#   dot product mean(x_hat * w * dy) (read x, dy), then runs the persistent kernel on a 2-D
+#   grid (programs x chunks) with that dot product as an input: +2 s bytes / element.
 """Fused RMSNorm kernels: ``rms_norm`` and ``rms_norm_residual``."""
 
 from __future__ import annotations
 
 import torch
 
-from ._dispatch import device_guard, num_persistent_programs, tl, triton, use_triton
+from ._dispatch import LaunchConfig, device_guard, num_persistent_programs, tl, triton, use_triton
 
-MAX_FUSED_WIDTH = 65536
+MAX_FUSED_WIDTH = 8192
+LOOPED_BLOCK = 4096
 RMS_NORM_TRAFFIC_FLOOR: tuple[int, int] = (2, 3)
 RMS_NORM_RESIDUAL_TRAFFIC_FLOOR: tuple[int, int] = (4, 4)
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_normalised_input(x_ptr, res_ptr, h_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """The float32 values to normalise: x, or with a residual new_residual = x + residual,
+    stored to h_ptr and rounded to its dtype (exactly what a consumer of new_residual sees)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + offs, h, mask=mask)
+        x = h.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -49,13 +74,7 @@ def _rms_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (x + r).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + offs, h, mask=mask)
-        # Normalise the rounded sum, exactly what a consumer of new_residual sees.
-        x = h.to(tl.float32)
+    x = _load_normalised_input(x_ptr, res_ptr, h_ptr, offs, mask, HAS_RESIDUAL)
     mean_sq = tl.sum(x * x, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     tl.store(rstd_ptr + row, rstd)
@@ -65,22 +84,89 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _rms_norm_fwd_looped_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    h_ptr,
+    rstd_ptr,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_cols
+    cols = tl.arange(0, BLOCK)
+    sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        idx = start + cols
+        mask = idx < n_cols
+        x = _load_normalised_input(x_ptr, res_ptr, h_ptr, base + idx, mask, HAS_RESIDUAL)
+        sum_sq += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, n_cols, BLOCK):
+        idx = start + cols
+        mask = idx < n_cols
+        # The second pass reads back what the first stored (each element by the thread that
+        # stored it: same arange, same layout), i.e. the rounded new_residual.
+        if HAS_RESIDUAL:
+            x = tl.load(h_ptr + base + idx, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + base + idx, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + base + idx, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_dot_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dot_ptr,
+    n_cols,
+    BLOCK: tl.constexpr,
+):
+    # Per row: mean(x_hat * w * dy), the row reduction of the backward (looped path).
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_cols
+    cols = tl.arange(0, BLOCK)
+    rstd = tl.load(rstd_ptr + row)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        idx = start + cols
+        mask = idx < n_cols
+        dy = tl.load(dy_ptr + base + idx, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + base + idx, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        acc += x * rstd * (dy * w)
+    tl.store(dot_ptr + row, tl.sum(acc, axis=0) / n_cols)
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
     w_ptr,
     rstd_ptr,
+    dot_ptr,
     dh_ptr,
     dx_ptr,
     dw_partial_ptr,
     n_rows,
     n_cols,
     HAS_DH: tl.constexpr,
+    LOOPED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Fused: program (p, 0) holds whole rows. Looped: program (p, j) holds column chunk j of
+    # its rows and reads the row reduction from dot_ptr.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -92,7 +178,10 @@ def _rms_norm_bwd_kernel(
         x_hat = x * rstd
         w_dy = dy * w
         # d/dx of x * rstd(x): rstd * (w dy - x_hat * mean(w dy * x_hat))
-        c = tl.sum(x_hat * w_dy, axis=0) / n_cols
+        if LOOPED:
+            c = tl.load(dot_ptr + row)
+        else:
+            c = tl.sum(x_hat * w_dy, axis=0) / n_cols
         dx = (w_dy - x_hat * c) * rstd
         if HAS_DH:
             dx += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -104,17 +193,22 @@ def _rms_norm_bwd_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _launch_params(n_cols: int) -> tuple[int, int]:
-    if n_cols > MAX_FUSED_WIDTH:
-        raise ValueError(
-            f"rms_norm Triton kernel supports rows of at most {MAX_FUSED_WIDTH} elements, "
-            f"got {n_cols}; use GRAPHPIPE_KERNELS=torch"
-        )
-    block = triton.next_power_of_2(n_cols)
-    # ~8 elements per thread up to 8192 columns; sm_90 builds of both kernels stay free of
-    # register spills there (wider rows still work, with spills).
+def rms_norm_config(
+    n_cols: int, *, max_fused_width: int = MAX_FUSED_WIDTH, looped_block: int = LOOPED_BLOCK
+) -> LaunchConfig:
+    """The launch configuration for rows of ``n_cols`` (both directions): the fused path up to
+    ``max_fused_width`` columns, else ``looped_block``-wide chunks (``n_chunks > 1``). Tests
+    lower the two limits to run the looped path on small rows."""
+    if n_cols < 1:
+        raise ValueError(f"rms_norm needs at least one column, got n_cols={n_cols}")
+    if n_cols <= max_fused_width:
+        block = triton.next_power_of_2(n_cols)
+    else:
+        block = looped_block
+    # ~8 fp32 elements per thread per row tensor: 4096 columns -> 16 warps, 8192 -> 32 (the
+    # cap). Measured spill-free on sm_90 at these settings (test_compile_sm90.py).
     num_warps = min(32, max(4, block // 256))
-    return block, num_warps
+    return LaunchConfig(block, num_warps, triton.cdiv(n_cols, block))
 
 
 def _check_2d(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -129,13 +223,15 @@ def rms_norm_forward(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Launch the forward kernel on contiguous 2-D ``x`` (and ``residual``).
 
     Returns ``(y, new_residual, rstd)``: ``new_residual`` is ``x + residual`` (``None``
     without a residual) in the promoted dtype of the two, ``y`` the RMSNorm of
     ``new_residual`` (or of ``x``) in that same dtype, and ``rstd`` the float32 per-row
-    reciprocal RMS kept for the backward.
+    reciprocal RMS kept for the backward. ``config`` defaults to ``rms_norm_config``'s.
     """
     _check_2d(x, weight)
     h: torch.Tensor | None = None
@@ -147,13 +243,14 @@ def rms_norm_forward(
             x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device
         )
     n_rows, n_cols = x.shape
-    block, num_warps = _launch_params(n_cols)
+    cfg = config or rms_norm_config(n_cols)
+    kernel = _rms_norm_fwd_looped_kernel if cfg.n_chunks > 1 else _rms_norm_fwd_kernel
     weight = weight.contiguous()
     y = torch.empty_like(x if h is None else h)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0:
         with device_guard(x):
-            _rms_norm_fwd_kernel[(n_rows,)](
+            kernel[(n_rows,)](
                 x,
                 residual if residual is not None else x,
                 weight,
@@ -163,8 +260,8 @@ def rms_norm_forward(
                 n_cols,
                 eps,
                 HAS_RESIDUAL=residual is not None,
-                BLOCK=block,
-                num_warps=num_warps,
+                BLOCK=cfg.block,
+                num_warps=cfg.num_warps,
             )
     return y, h, rstd
 
@@ -175,12 +272,15 @@ def rms_norm_backward(
     weight: torch.Tensor,
     rstd: torch.Tensor,
     dh: torch.Tensor | None = None,
+    *,
+    config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; all row tensors contiguous 2-D.
+    """Launch the backward kernel(s); all row tensors contiguous 2-D.
 
     ``x`` is the tensor that was normalised (``new_residual`` for the residual variant),
     ``dh`` the incoming gradient of ``new_residual``, added to ``dx``. Returns
     ``(dx, dweight)`` with ``dx`` in ``x.dtype`` and ``dweight`` in ``weight.dtype``.
+    ``config`` defaults to ``rms_norm_config``'s.
     """
     _check_2d(x, weight)
     if dy.shape != x.shape or not dy.is_contiguous():
@@ -188,25 +288,37 @@ def rms_norm_backward(
     if dh is not None and (dh.shape != x.shape or not dh.is_contiguous()):
         raise ValueError("dh must be contiguous and shaped like x")
     n_rows, n_cols = x.shape
-    block, num_warps = _launch_params(n_cols)
+    cfg = config or rms_norm_config(n_cols)
+    looped = cfg.n_chunks > 1
     weight = weight.contiguous()
+    # Looped: ~as many programs in all as the fused path, split over the column chunks.
     n_programs = num_persistent_programs(x.device, n_rows)
+    if looped:
+        n_programs = triton.cdiv(n_programs, cfg.n_chunks)
     dx = torch.empty_like(x)
     dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
+    # Per-row dot products (looped path); the fused kernel ignores the argument.
+    dot = torch.empty(n_rows, dtype=torch.float32, device=x.device) if looped else rstd
     with device_guard(x):
-        _rms_norm_bwd_kernel[(n_programs,)](
+        if looped and n_rows > 0:
+            _rms_norm_bwd_dot_kernel[(n_rows,)](
+                dy, x, weight, rstd, dot, n_cols, BLOCK=cfg.block, num_warps=cfg.num_warps
+            )
+        _rms_norm_bwd_kernel[(n_programs, cfg.n_chunks)](
             dy,
             x,
             weight,
             rstd,
+            dot,
             dh if dh is not None else dy,
             dx,
             dw_partial,
             n_rows,
             n_cols,
             HAS_DH=dh is not None,
-            BLOCK=block,
-            num_warps=num_warps,
+            LOOPED=looped,
+            BLOCK=cfg.block,
+            num_warps=cfg.num_warps,
         )
     return dx, dw_partial.sum(0).to(weight.dtype)
 
@@ -310,11 +422,13 @@ def rms_norm_residual(
 
 
 __all__ = [
+    "LOOPED_BLOCK",
     "MAX_FUSED_WIDTH",
     "RMS_NORM_RESIDUAL_TRAFFIC_FLOOR",
     "RMS_NORM_TRAFFIC_FLOOR",
     "rms_norm",
     "rms_norm_backward",
+    "rms_norm_config",
     "rms_norm_forward",
     "rms_norm_reference",
     "rms_norm_residual",

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ._dispatch import device_guard, tl, triton, use_triton
+from ._dispatch import LaunchConfig, device_guard, tl, triton, use_triton
 
 SWIGLU_TRAFFIC_FLOOR: tuple[int, int] = (3, 5)
 _MAX_BLOCK = 1024
@@ -85,10 +85,11 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def _grid_and_block(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
+def swiglu_config(n_cols: int) -> LaunchConfig:
+    """The launch configuration for rows of ``n_cols``: the grid is (rows, ``n_chunks``)."""
     block = min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
     num_warps = 4 if block >= 512 else 2 if block >= 128 else 1
-    return (n_rows, triton.cdiv(n_cols, block)), block, num_warps
+    return LaunchConfig(block, num_warps, triton.cdiv(max(n_cols, 1), block))
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -99,17 +100,17 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n_rows, n_cols = gate.shape
     y = torch.empty(n_rows, n_cols, dtype=gate.dtype, device=gate.device)
     if y.numel() > 0:
-        grid, block, num_warps = _grid_and_block(n_rows, n_cols)
+        cfg = swiglu_config(n_cols)
         with device_guard(gate):
-            _swiglu_fwd_kernel[grid](
+            _swiglu_fwd_kernel[(n_rows, cfg.n_chunks)](
                 gate,
                 up,
                 y,
                 n_cols,
                 gate.stride(0),
                 up.stride(0),
-                BLOCK=block,
-                num_warps=num_warps,
+                BLOCK=cfg.block,
+                num_warps=cfg.num_warps,
             )
     return y
 
@@ -122,9 +123,9 @@ def swiglu_backward(
     dg = torch.empty(n_rows, n_cols, dtype=gate.dtype, device=gate.device)
     du = torch.empty(n_rows, n_cols, dtype=up.dtype, device=up.device)
     if dg.numel() > 0:
-        grid, block, num_warps = _grid_and_block(n_rows, n_cols)
+        cfg = swiglu_config(n_cols)
         with device_guard(gate):
-            _swiglu_bwd_kernel[grid](
+            _swiglu_bwd_kernel[(n_rows, cfg.n_chunks)](
                 dy,
                 gate,
                 up,
@@ -134,8 +135,8 @@ def swiglu_backward(
                 dy.stride(0),
                 gate.stride(0),
                 up.stride(0),
-                BLOCK=block,
-                num_warps=num_warps,
+                BLOCK=cfg.block,
+                num_warps=cfg.num_warps,
             )
     return dg, du
 
@@ -186,6 +187,7 @@ __all__ = [
     "SWIGLU_TRAFFIC_FLOOR",
     "swiglu",
     "swiglu_backward",
+    "swiglu_config",
     "swiglu_forward",
     "swiglu_reference",
 ]

@@ -17,14 +17,15 @@
 # Default workload: `graphpipe train --device cuda --ranks 1 --steps 10 --capture action`,
 # one rank because NCCL refuses two ranks on one GPU; pass --ranks N on an N-GPU machine.
 #
-# Ranges (NVTX domain "graphpipe"): `step` per training step, `3F5` / `0I2` / `4W1` per
-# action, `(0F5;7B2)OVERLAP_F_B` per overlapped pair, `wait ...` per communication wait
-# (once the runtime emits them); with capture="action" the replay of each action's CUDA
-# graph sits inside its range, with capture="step" the whole step graph sits inside `step`
-# (the report then says that only the whole step is visible). --cuda-graph-trace=node shows
-# the kernels inside the graphs and ties each to the cudaGraphLaunch inside its range.
-# (Not run on the CPU-only development machine: untested there; the analysis of step 3 is
-# tested on CPU with SQLite files written in nsys's schema.)
+# Ranges (NVTX domain "graphpipe" with the nvtx package; without it, torch.cuda.nvtx's default
+# domain): `step` per training step, `3F5` / `0I2` / `4W1` per action,
+# `(0F5;7B2)OVERLAP_F_B` per overlapped pair, `wait ...` per communication wait; with
+# capture="action" the replay of each action's CUDA graph sits inside its range, with
+# capture="step" the whole step graph sits inside `step` (the report then says that only the
+# whole step is visible). --cuda-graph-trace=node shows the kernels inside the graphs and
+# ties each to the cudaGraphLaunch inside its range. (Not run on the CPU-only development
+# machine: untested there; the analysis of step 3 is tested on CPU with SQLite files written
+# in nsys's schema.)
 set -euo pipefail
 
 OUT=${1:-/tmp/graphpipe-nsys}

@@ -90,17 +90,46 @@ def params(stages) -> list[torch.nn.Parameter]:
     return [p for s in stages for p in s.parameters()]
 
 
-def twin_step(eager, eager_stages, captured, captured_stages, x, y) -> list[str]:
+def unique_params(stages) -> list[torch.nn.Parameter]:
+    """The parameters of ``stages``, a tied one once (what an optimizer or a clip takes)."""
+    return list({id(p): p for s in stages for p in s.parameters()}.values())
+
+
+def twin_diffs(eager, eager_stages, captured, captured_stages, x, y) -> dict[str, float]:
     """One step of an eager and a captured pipeline on the same batch (grads zeroed in place
-    first); returns what differs bitwise: the loss or any parameter's gradient."""
+    first); the largest absolute difference of the loss and of each parameter's gradient,
+    0.0 exactly where the two are bitwise equal (``torch.equal``)."""
     for s in (*eager_stages, *captured_stages):
         s.zero_grad(set_to_none=False)
     le = eager.step(x, y)
     lc = captured.step(x, y).clone()
     if le.is_cuda:
         torch.cuda.synchronize()
-    problems = [] if torch.equal(le, lc) else [f"loss {le.item()!r} != {lc.item()!r}"]
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return 0.0 if torch.equal(a, b) else float((a.double() - b.double()).abs().max())
+
+    out = {"loss": diff(le, lc)}
     for i, (a, b) in enumerate(zip(params(eager_stages), params(captured_stages))):
-        if not torch.equal(a.grad, b.grad):
-            problems.append(f"grad of parameter {i}: max diff {(a.grad - b.grad).abs().max()}")
-    return problems
+        out[f"grad of parameter {i}"] = diff(a.grad, b.grad)
+    return out
+
+
+def twin_step(eager, eager_stages, captured, captured_stages, x, y) -> list[str]:
+    """``twin_diffs``, as the list of what differs bitwise (empty: all equal)."""
+    diffs = twin_diffs(eager, eager_stages, captured, captured_stages, x, y)
+    return [f"{name}: max diff {d!r}" for name, d in diffs.items() if d != 0.0]
+
+
+class Checkpointed(nn.Module):
+    """``inner`` under non-reentrant activation checkpointing (its forward is recomputed
+    during the backward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=False)

@@ -119,5 +119,7 @@ def test_an_edge_whose_shape_changes_is_a_value_error_naming_edge_tensor_and_sha
         "ValueError: activation on edge stage 0 -> stage 1, tensor 0: shape [2, 5] float64, "
         "but the first step exchanged [2, 8] float64"
     )
-    # the peer waiting for that message fails (timeout or closed connection), it does not hang
-    assert results[1].startswith("RuntimeError: [")
+    # the peer waiting for that message raises at once, naming the rank, action and error
+    assert results[1].startswith("PipelineError: the step failed on rank 0 at post 0SEND_F0")
+    assert "ValueError: activation on edge stage 0 -> stage 1, tensor 0" in results[1]
+    assert "(this rank: rank 1 at " in results[1] and "zero the gradients" in results[1]

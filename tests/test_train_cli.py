@@ -82,6 +82,11 @@ def test_train_reads_a_data_file_and_runs_on_one_rank(tmp_path):
         (["--batch-size", "10"], "--batch-size 10 does not split into 8 equal micro-batches"),
         (["--data", "/no/such/file"], "--data /no/such/file: no such file"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--dp", "0"], "--dp must be >= 1, got 0"),
+        (
+            ["--dp", "3"],
+            "--batch-size 16 does not split into 8 equal micro-batches on each of --dp 3 replicas",
+        ),
     ],
 )
 def test_bad_train_arguments_exit_2_with_one_line(args, message):
@@ -90,13 +95,28 @@ def test_bad_train_arguments_exit_2_with_one_line(args, message):
     assert proc.stderr.strip() == f"graphpipe train: error: {message}"
 
 
+def _losses(tmp_path, *args: str) -> tuple[list[float], str]:
+    """The per-step losses of ``graphpipe train *args`` (from its metrics file) and its
+    stderr."""
+    metrics = tmp_path / ("-".join(args).replace("/", "_") + ".jsonl")
+    proc = _train(*args, "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], proc.stderr
+
+
 def test_a_captured_run_reproduces_the_eager_losses_bit_for_bit(tmp_path):
     small = ["--steps", "4", "--hidden", "16", "--layers", "2", "--heads", "2", "--seq-len", "16"]
-    losses = {}
-    for mode in ("none", "step"):
-        metrics = tmp_path / f"{mode}.jsonl"
-        proc = _train(*small, "--capture", mode, "--metrics", str(metrics))
-        assert proc.returncode == 0, proc.stderr
-        losses[mode] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    losses = {mode: _losses(tmp_path, *small, "--capture", mode)[0] for mode in ("none", "step")}
     assert len(losses["step"]) == 4
     assert losses["step"] == losses["none"]
+
+
+def test_data_parallel_replicas_reproduce_the_single_pipeline_losses(tmp_path):
+    """--dp 2 splits each batch across two replicas (world 2 x 1 rank): the same global
+    batches, so the same losses as one pipeline on the whole batch."""
+    small = ["--ranks", "1", "--steps", "3", "--hidden", "16", "--layers", "1", "--heads", "1"]
+    small += ["--seq-len", "16", "--batch-size", "8"]
+    (one, _), (two, log) = (_losses(tmp_path, *small, "--dp", dp) for dp in ("1", "2"))
+    assert "1 ranks x 2 stages x 2 replicas" in log
+    assert len(two) == 3
+    assert two == pytest.approx(one, rel=1e-5)

@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .ranges import Kind, Range, action_of
+from .ranges import Kind, Range, action_of, kind_of
 
 __all__ = ["DOMAIN", "assign_ranks", "has_cuda_trace", "load_nsys"]
 
@@ -66,19 +66,24 @@ def _nvtx_rows(db: sqlite3.Connection, domain: str, path: Path) -> list[tuple[in
         f"WHERE e.eventType = {_DOMAIN_CREATE}"
     ):
         domains[(_pid(gtid), dom_id)] = text
-    if domain not in domains.values():
-        found = sorted({d for d in domains.values() if d})
-        raise ValueError(
-            f"{path}: no NVTX domain {domain!r} (domains found: {found or 'none'}); was the "
-            "run traced with --trace=nvtx and CUDA present (the runtime emits NVTX only then)?"
-        )
+    # Without the nvtx package the runtime pushes through torch.cuda.nvtx, whose ranges live
+    # in the default domain (id 0): read that one when no process created ``domain``.
+    default = domain not in domains.values()
     rows = []
     for start, end, gtid, dom_id, text in db.execute(
         f"SELECT e.start, e.end, e.globalTid, e.domainId, {name} FROM NVTX_EVENTS AS e {join} "
         f"WHERE e.eventType IN {_PUSHPOP} AND e.end IS NOT NULL"
     ):
-        if domains.get((_pid(gtid), dom_id)) == domain and text is not None:
+        mine = not dom_id if default else domains.get((_pid(gtid), dom_id)) == domain
+        if mine and text is not None:
             rows.append((int(start), int(end), int(gtid), str(text)))
+    if default and not any(kind_of(text) is Kind.STEP for *_, text in rows):
+        found = sorted({d for d in domains.values() if d})
+        raise ValueError(
+            f"{path}: no NVTX domain {domain!r} (domains found: {found or 'none'}) and no "
+            "graphpipe ranges in the default domain; was the run traced with --trace=nvtx and "
+            "CUDA present (the runtime emits NVTX only then)?"
+        )
     return rows
 
 

@@ -10,9 +10,12 @@ groups          process groups: one per directed rank pair on NCCL, the gloo con
 stage           the stage runner: F / I / B / W / overlap handlers, per-micro-batch state
 batch           agreement on each batch across ranks, micro-batch splitting
 capture         warmup record -> static plan -> static step / CUDA graphs -> replay
+data_parallel   gradient and loss averaging over the data-parallel replicas, in the step
+clipping        gradient clipping by the global norm across pipeline ranks, in the step
 ==============  ==============================================================================
 """
 
+from .clipping import clip_grad_norm_
 from .pipeline import DualPipeV, Pipeline
 
-__all__ = ["DualPipeV", "Pipeline"]
+__all__ = ["DualPipeV", "Pipeline", "clip_grad_norm_"]

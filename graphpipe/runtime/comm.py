@@ -19,7 +19,11 @@ communicator carries its transfers in the same order at both ends); on gloo one 
 messages concatenated into one flat buffer, when they share a dtype) or one op per tensor,
 in order. Messages on a rank pair are FIFO: the i-th one sent is the i-th one received.
 
-May touch: its process groups, buffers it allocates, the runner's message tables through
+A failed wait raises ``faults.CommFailure`` naming the peer; ``abandon()`` lets go of every
+posted operation (their connections can then close, see ``faults``).
+
+May touch: the process groups of ``PipelineGroups`` (looked up at each post, so a rebuild
+takes effect at once), buffers it allocates, the runner's message tables through
 ``take_*`` / ``store_*``. Must not: run stage code.
 """
 
@@ -38,6 +42,8 @@ from graphpipe.lower import Transfer, channel
 from graphpipe.meta import DTYPE_CODE, DTYPES, TensorMeta, describe
 from graphpipe.nvtx import Ranges
 
+from .faults import CommFailure
+from .groups import PipelineGroups
 from .stage import StageRunner
 
 __all__ = [
@@ -122,19 +128,35 @@ class _Msg:
         self.channel = channel(action)
 
 
+def _wait_all(works: list, peer: int | None, what: str) -> None:
+    """Wait for ``works``; a failure becomes ``CommFailure``, holding no work (a posted work
+    keeps its connection open, and the peers blocked on it waiting)."""
+    try:
+        for w in works:
+            w.wait()
+    except RuntimeError as e:
+        works.clear()
+        w = None  # the frame stays in the traceback: it must not hold the work
+        raise CommFailure(peer, what, e.with_traceback(None)) from None
+    works.clear()
+
+
+def _posting_failed(t: _Transfer, e: BaseException) -> CommFailure:
+    return CommFailure(t.peer_rank, f"post {t.name}", e.with_traceback(None))
+
+
 class _Transfer:
-    __slots__ = ("edge", "engine", "group", "index", "msgs", "name", "peer", "peer_global")
+    __slots__ = ("edge", "engine", "index", "msgs", "name", "peer_global", "peer_rank")
 
     def __init__(self, engine: CommEngine, spec: Transfer, actions: Sequence[Action]) -> None:
         self.engine = engine
         self.index = spec.index
         self.edge = (spec.src, spec.dst)
         self.msgs = tuple(_Msg(a, engine.runner.local[a.stage]) for a in actions)
-        other = spec.dst if spec.src == engine.rank else spec.src
-        self.peer_global = engine.global_ranks[other]
-        self.group = engine.edge_group(self.edge)
-        self.peer = dist.get_group_rank(self.group, self.peer_global)
+        self.peer_rank = spec.dst if spec.src == engine.rank else spec.src
+        self.peer_global = engine.groups.global_ranks[self.peer_rank]
         self.name = " ".join(map(str, actions))
+        engine.transfers.append(self)
 
     def metas(self) -> list[tuple[TensorMeta, ...]]:
         return [self.engine.metas[m.channel] for m in self.msgs]
@@ -142,7 +164,7 @@ class _Transfer:
     def packable(self) -> bool:
         """Whether the messages travel as one flat packet (gloo, two or more tensors of one
         dtype); both ends tell the same from the channel metadata they both know."""
-        if not self.engine.packets:
+        if self.engine.groups.nccl:
             return False
         metas = [m for ms in self.metas() for m in ms]
         return len(metas) > 1 and len({m.dtype for m in metas}) == 1
@@ -191,6 +213,9 @@ class RecvTransfer(_Transfer):
     def wait(self) -> None:
         self.engine.wait_recv(self)
 
+    def forget(self) -> None:
+        self.works, self.headers, self.staged, self.resolved = [], [], [], True
+
 
 # --------------------------------------------------------------------------------------------
 # The engine
@@ -200,72 +225,70 @@ class CommEngine:
     """P2P for one pipeline rank; see the module doc.
 
     runner: the stage runner whose tables the messages come from and go to.
-    rank / global_ranks: this rank in the pipeline group, and every pipeline rank's global rank.
-    groups: ``{(src, dst): process group}`` per directed rank pair with traffic.
-    control: a gloo group over the pipeline ranks (the handshake on NCCL, batch agreement).
-    staged: the handshake travels over ``control`` through host memory (NCCL), after which
-        every channel is warmed up once.
+    rank: this pipeline rank. groups: the pipeline's process groups.
+    staged: the handshake travels over the control group through host memory (NCCL), after
+        which every rank pair is warmed up once.
     """
 
     def __init__(
         self,
         runner: StageRunner,
         rank: int,
-        global_ranks: Sequence[int],
-        groups: dict[tuple[int, int], Any],
-        control: Any,
+        groups: PipelineGroups,
         device: torch.device,
         ranges: Ranges,
         staged: bool,
-        packets: bool,
     ) -> None:
-        self.runner, self.rank, self.global_ranks = runner, rank, list(global_ranks)
-        self.groups, self.control, self.device, self.ranges = groups, control, device, ranges
-        self.staged, self.packets = staged, packets
-        self.nccl = any(dist.get_backend(g) == "nccl" for g in groups.values())
+        self.runner, self.rank, self.groups = runner, rank, groups
+        self.device, self.ranges, self.staged = device, ranges, staged
+        self.transfers: list[_Transfer] = []
         self.metas: dict[Channel, tuple[TensorMeta, ...]] = {}
         self.handshake = False
         # Per-action CUDA graphs: the capture pass records what each send sends, replays send
         # the recorded tensors (see graphs.py).
         self.record_sends = self.replay_sends = False
-        self.in_flight: list[tuple[list, Tensors]] = []  # (works, tensors they read)
+        self.in_flight: list[tuple[list, Tensors, int]] = []  # (works, tensors, peer rank)
         self._unresolved: dict[tuple[int, int], deque[RecvTransfer]] = {}
-
-    def edge_group(self, edge: tuple[int, int]) -> Any:
-        return self.groups[edge]
 
     # ------------------------------------------------------------- steps
     def begin(self, handshake: bool) -> None:
         self.handshake = handshake
 
     def finish(self) -> None:
-        """Wait for every send of the step (and, after a staged handshake, warm up)."""
-        if self.in_flight:
-            ranges = self.ranges
-            ranges.push("wait sends")
-            try:
-                for works, _ in self.in_flight:
-                    for w in works:
-                        w.wait()
-            finally:
-                ranges.pop()
-            self.in_flight.clear()
+        """Wait for every send of the step (inside ``wait sends``)."""
+        if not self.in_flight:
+            return
+        ranges = self.ranges
+        ranges.push("wait sends")
+        try:
+            while self.in_flight:
+                works, _, peer = self.in_flight.pop()
+                _wait_all(works, peer, "wait sends")
+        finally:
+            ranges.pop()
 
     def abandon(self) -> None:
-        """Forget the step's posted work (after a failed step)."""
+        """Let go of every posted operation (after a failed step)."""
         self.in_flight.clear()
         self._unresolved.clear()
+        for t in self.transfers:
+            if isinstance(t, RecvTransfer):
+                t.forget()
 
     # ------------------------------------------------------------- issue
-    def _issue(self, group: Any, peer: int, peer_global: int, tensors: Sequence, send: bool):
-        """Post ``tensors`` to (or from) ``peer`` as one group of ops; returns the works."""
-        if self.nccl and len(tensors) > 1:
-            fn = dist.isend if send else dist.irecv
-            return dist.batch_isend_irecv(
-                [dist.P2POp(fn, t, peer_global, group, DATA_TAG) for t in tensors]
-            )
-        call = group.send if send else group.recv
-        return [call([t], peer, DATA_TAG) for t in tensors]
+    def _issue(self, t: _Transfer, tensors: Sequence, send: bool) -> list:
+        """Post ``tensors`` to (or from) ``t``'s peer as one group of ops; returns the works."""
+        try:
+            group, peer = self.groups.p2p[t.edge]
+            if self.groups.nccl and len(tensors) > 1:
+                fn = dist.isend if send else dist.irecv
+                return dist.batch_isend_irecv(
+                    [dist.P2POp(fn, x, t.peer_global, group, DATA_TAG) for x in tensors]
+                )
+            call = group.send if send else group.recv
+            return [call([x], peer, DATA_TAG) for x in tensors]
+        except (RuntimeError, KeyError) as e:  # KeyError: the groups were dropped
+            raise _posting_failed(t, e) from None
 
     def post_send(self, t: SendTransfer) -> None:
         runner = self.runner
@@ -275,14 +298,13 @@ class CommEngine:
             return
         if self.replay_sends:
             sent = t.recorded
-            self.in_flight.append((self._issue(t.group, t.peer, t.peer_global, sent, True), sent))
+            self.in_flight.append((self._issue(t, sent, True), sent, t.peer_rank))
             return
         metas = self.metas
         for m in t.msgs:
             msg = runner.take_activation(m.li, m.mb) if m.forward else runner.take_grad(m.li, m.mb)
-            check_message(
-                "activation" if m.forward else "gradient", m.channel, msg, metas[m.channel]
-            )
+            what = "activation" if m.forward else "gradient"
+            check_message(what, m.channel, msg, metas[m.channel])
             tensors += msg
         if len(tensors) > 1 and t.packable():
             flat = t.static
@@ -291,9 +313,7 @@ class CommEngine:
             tensors = [flat]
         if self.record_sends:
             t.recorded = tuple(tensors)
-        self.in_flight.append(
-            (self._issue(t.group, t.peer, t.peer_global, tensors, True), tuple(tensors))
-        )
+        self.in_flight.append((self._issue(t, tensors, True), tuple(tensors), t.peer_rank))
 
     def post_recv(self, t: RecvTransfer) -> None:
         runner = self.runner
@@ -311,7 +331,7 @@ class CommEngine:
                 # The messages are views of the flat buffer: no copy out after the wait.
                 bufs = tuple(next(views).view(x.shape) for x in ms)
                 (runner.store_activation if m.forward else runner.store_grad)(m.li, m.mb, bufs)
-            t.works = self._issue(t.group, t.peer, t.peer_global, [flat], False)
+            t.works = self._issue(t, [flat], False)
             return
         tensors: list[torch.Tensor] = []
         static = t.static
@@ -319,7 +339,7 @@ class CommEngine:
             bufs = static[i] if static is not None else tuple(x.empty() for x in ms)
             (runner.store_activation if m.forward else runner.store_grad)(m.li, m.mb, bufs)
             tensors += bufs
-        t.works = self._issue(t.group, t.peer, t.peer_global, tensors, False)
+        t.works = self._issue(t, tensors, False)
 
     def wait_recv(self, t: RecvTransfer) -> None:
         ranges = self.ranges
@@ -327,9 +347,7 @@ class CommEngine:
         try:
             if not t.resolved:
                 self._resolve(t)
-            for w in t.works:
-                w.wait()
-            t.works = []
+            _wait_all(t.works, t.peer_rank, t.wait_name)
             if t.staged:
                 for m, bufs in t.staged:
                     moved = tuple(b.to(self.device) for b in bufs)
@@ -340,6 +358,16 @@ class CommEngine:
             ranges.pop()
 
     # --------------------------------------------------------- handshake
+    def _handshake_route(self, t: _Transfer) -> tuple[Any, int]:
+        """Where a handshake message goes: the pair's group, or (NCCL) the control group."""
+        if self.staged:
+            route = self.groups.control, t.peer_rank
+        else:
+            route = self.groups.p2p.get(t.edge, (None, t.peer_rank))
+        if route[0] is None:
+            raise _posting_failed(t, RuntimeError("the pipeline's process groups were dropped"))
+        return route
+
     def _handshake_send(self, t: SendTransfer) -> None:
         """A send of a handshake step: each message preceded by a header with its metadata.
 
@@ -349,9 +377,7 @@ class CommEngine:
         NCCL group needs its sends and receives at once, which needs the metadata first.
         """
         runner = self.runner
-        group, peer = (self.control, t.peer_global) if self.staged else (t.group, t.peer)
-        if self.staged:
-            peer = dist.get_group_rank(group, t.peer_global)
+        group, peer = self._handshake_route(t)
         works, keep = [], []
         for m in t.msgs:
             msg = runner.take_activation(m.li, m.mb) if m.forward else runner.take_grad(m.li, m.mb)
@@ -359,19 +385,25 @@ class CommEngine:
             if self.staged:
                 msg = tuple(x.cpu() for x in msg)
             header = encode_header(msg, torch.empty(HEADER_LEN, dtype=torch.int64))
-            works.append(group.send([header], peer, HEADER_TAG))
-            works += [group.send([x], peer, DATA_TAG) for x in msg]
+            try:
+                works.append(group.send([header], peer, HEADER_TAG))
+                works += [group.send([x], peer, DATA_TAG) for x in msg]
+            except RuntimeError as e:
+                works.clear()
+                raise _posting_failed(t, e) from None
             keep += [header, *msg]
-        self.in_flight.append((works, tuple(keep)))
+        self.in_flight.append((works, tuple(keep), t.peer_rank))
 
     def _handshake_recv(self, t: RecvTransfer) -> None:
-        group, peer = (self.control, t.peer_global) if self.staged else (t.group, t.peer)
-        if self.staged:
-            peer = dist.get_group_rank(group, t.peer_global)
+        group, peer = self._handshake_route(t)
         t.headers = []
         for m in t.msgs:
             h = torch.empty(HEADER_LEN, dtype=torch.int64)
-            t.headers.append((m, h, group.recv([h], peer, HEADER_TAG)))
+            try:
+                t.headers.append((m, h, group.recv([h], peer, HEADER_TAG)))
+            except RuntimeError as e:
+                t.headers.clear()
+                raise _posting_failed(t, e) from None
         t.resolved = False
         self._unresolved.setdefault(t.edge, deque()).append(t)
 
@@ -382,12 +414,10 @@ class CommEngine:
         cpu = torch.device("cpu")
         while queue:
             u = queue.popleft()
-            group, peer = (self.control, u.peer_global) if self.staged else (u.group, u.peer)
-            if self.staged:
-                peer = dist.get_group_rank(group, u.peer_global)
+            group, peer = self._handshake_route(u)
             works = []
             for m, h, hw in u.headers:
-                hw.wait()
+                _wait_all([hw], u.peer_rank, u.wait_name + " (its header)")
                 metas = self.metas[m.channel] = decode_header(h, self.device)
                 bufs = tuple(x.on(cpu if self.staged else self.device).empty() for x in metas)
                 if self.staged:
@@ -395,23 +425,22 @@ class CommEngine:
                 else:
                     store = self.runner.store_activation if m.forward else self.runner.store_grad
                     store(m.li, m.mb, bufs)
-                works += [group.recv([b], peer, DATA_TAG) for b in bufs]
+                try:
+                    works += [group.recv([b], peer, DATA_TAG) for b in bufs]
+                except RuntimeError as e:
+                    works.clear()
+                    raise _posting_failed(u, e) from None
             u.works, u.headers, u.resolved = works, [], True
             if u is t:
                 return
 
     def warm(self) -> None:
-        """One exchange on every rank pair with the recorded metadata, all at once: after a
-        handshake over the control group (NCCL), initializes each communicator's P2P paths
-        before any capture. Every rank walks the pairs in the same order."""
+        """One exchange on every rank pair, all at once: after a handshake over the control
+        group (NCCL), initializes each communicator's P2P paths before any capture. Every
+        rank walks the pairs in the same order."""
         works = []
-        for (src, dst), group in sorted(self.groups.items()):
-            if self.rank not in (src, dst):
-                continue
-            other = dst if self.rank == src else src
-            peer = dist.get_group_rank(group, self.global_ranks[other])
+        for (src, _), (group, peer) in sorted(self.groups.p2p.items()):
             x = torch.zeros(1, device=self.device)
             call = group.send if self.rank == src else group.recv
             works.append(call([x], peer, DATA_TAG))
-        for w in works:
-            w.wait()
+        _wait_all(works, None, "warm-up of the P2P groups")

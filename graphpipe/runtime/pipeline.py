@@ -9,7 +9,9 @@ the user-facing checks; everything else is delegated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +28,10 @@ from graphpipe.simulate import Costs
 
 from .batch import BatchAgreement, split
 from .capture import CaptureDriver
+from .clipping import clip_in_step
 from .comm import CommEngine
+from .data_parallel import DataParallel, check_stage_wrappers
+from .faults import CommFailure, FaultNotices, Faults
 from .groups import PipelineGroups
 from .program import Program, compile_program
 from .stage import StageRunner
@@ -66,6 +71,26 @@ class Pipeline:
         costs: the expected action costs (``graphpipe.simulate.Costs``); the lowering times
             the receives with them (each is posted just before its data is sent). Default:
             F=1, B=2, I=1, W=1.
+        dp_group: the data-parallel group: the ranks that run this rank's stages in the other
+            replicas (``mesh.get_group("dp")`` of a ``("dp", "pp")`` DeviceMesh, with
+            ``group=mesh.get_group("pp")``). Each stage's gradients are averaged over it as
+            soon as its last W (or B) of the step has run, and the loss is the mean over the
+            replicas (``runtime/data_parallel.py``). The replicas start from the first one's
+            parameters (broadcast here).
+        defer_weight_grads: switch the stages' plain ``nn.Linear`` layers to the deferrable
+            one (default True); False computes every weight gradient during ``I`` (``W`` is
+            then empty). ``graphpipe.no_defer(module)`` opts out one module.
+        clip_grad_norm: clip the gradients to this global norm at the end of every training
+            step (``graphpipe.clip_grad_norm_``, after the data-parallel averaging, inside the
+            captured step); the norm is then ``pipe.grad_norm``.
+        clip_norm_type: the norm's p (default 2.0; ``float("inf")`` for the max norm).
+        timeout: seconds (or a ``timedelta``) a rank waits for a silent peer before it raises
+            ``PipelineError`` naming it (a failing or killed peer is reported at once).
+
+    A failure on any rank ends the call on every rank: the failing rank raises its own
+    exception (with a note naming the action), the others ``graphpipe.PipelineError`` naming
+    the failing rank, its action and its error; the next call works again (or, when a peer is
+    gone, raises ``PipelineClosed``). Gradients may then hold partial sums: zero them.
 
     ``step(inputs, labels)`` runs one training step and returns on every rank the mean over
     micro-batches of ``loss_fn`` (0-dim), accumulating into ``.grad`` the gradients of that
@@ -87,6 +112,11 @@ class Pipeline:
         recapture: bool = False,
         capture_optimizer: torch.optim.Optimizer | None = None,
         costs: Costs | None = None,
+        timeout: float | datetime.timedelta = 300.0,
+        dp_group: dist.ProcessGroup | None = None,
+        defer_weight_grads: bool = True,
+        clip_grad_norm: float | None = None,
+        clip_norm_type: float = 2.0,
     ) -> None:
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
             raise TypeError(
@@ -107,6 +137,7 @@ class Pipeline:
         self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
         self.stage_ids = self.placement.stages_of(self.rank)
         self._check_stages(stages)
+        check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
         self.modules = tuple(stages)
         self.loss_fn = loss_fn
         self.last_stage = self.placement.last_stage
@@ -123,7 +154,14 @@ class Pipeline:
                 if part.op is Op.I:
                     split_flags[local[part.stage]][part.microbatch] = True
         self.runner = StageRunner(
-            self.modules, self.stage_ids, self.last_stage, m, loss_fn, self.device, split_flags
+            self.modules,
+            self.stage_ids,
+            self.last_stage,
+            m,
+            loss_fn,
+            self.device,
+            split_flags,
+            defer_weight_grads,
         )
         self.stores = self.runner.stores
         self.num_deferrable = self.runner.num_deferrable
@@ -134,24 +172,18 @@ class Pipeline:
         infer_lowered = lower(forward_only(self.schedule), self.placement)
         infer_transfers = transfers(infer_lowered, self.placement)
         edges = {(t.src, t.dst) for t in train_transfers}
-        if distributed and n > 1:
-            groups = PipelineGroups.create(self.group, edges, per_edge_groups)
-        else:
-            groups = PipelineGroups({}, None, [dist.get_rank() if distributed else 0])
-        self._groups = groups
-        self._global = groups.global_ranks
-        backends = {dist.get_backend(g) for g in groups.p2p.values()}
-        self.engine = CommEngine(
-            self.runner,
-            self.rank,
-            groups.global_ranks,
-            groups.p2p,
-            groups.control,
-            self.device,
-            self.ranges,
-            staged=n > 1 and dist.get_backend(self.group) != "gloo",
-            packets=backends == {"gloo"},
+        groups = PipelineGroups(
+            self.group if distributed else None,
+            edges,
+            per_edge_groups,
+            datetime.timedelta(seconds=_seconds(timeout)),
         )
+        self.groups = groups
+        self._global = groups.global_ranks
+        self.engine = CommEngine(
+            self.runner, self.rank, groups, self.device, self.ranges, staged=groups.nccl and n > 1
+        )
+        self._faults = Faults(FaultNotices(groups.store, groups.key, self.rank), groups, self.rank)
         self._train = compile_program(
             lowered[self.rank], train_transfers, self.placement, self.rank, self.runner, self.engine
         )
@@ -163,8 +195,14 @@ class Pipeline:
             self.runner,
             self.engine,
         )
+        # Parts that run inside the training step as instructions of its program.
+        self.data_parallel = DataParallel(self, dp_group) if dp_group is not None else None
+        self.grad_norm: torch.Tensor | None = None
+        self._clips = clip_grad_norm is not None
+        if self._clips:
+            clip_in_step(self, clip_grad_norm, clip_norm_type)
         self._agreement = BatchAgreement(
-            groups.control, self.rank, n, self.input_rank, self.loss_rank, m
+            groups, self.rank, n, self.input_rank, self.loss_rank, m, _float_dtype(self.modules[0])
         )
         self._signature: tuple[int, ...] | None = None
         self._infer_signature: tuple[int, ...] | None = None
@@ -233,13 +271,52 @@ class Pipeline:
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
-        sig, loss_dtype = self._agreement.agree(inputs, labels, True, self._loss_dtype)
-        self._ensure_losses(loss_dtype)
-        if self.capture:
-            if scaler is not None:
-                raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
-            return self._capture.step(sig, inputs, labels)
-        return self._eager_step(sig, inputs, labels, scaler).clone()
+        if self.capture and scaler is not None:
+            raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
+        if scaler is not None and self._clips:
+            raise ValueError(
+                "clip_grad_norm clips inside the step, before a GradScaler could unscale: "
+                "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
+                "pipe.unscale_(scaler, optimizer)"
+            )
+        sig, loss_dtype = self._agree(inputs, labels, True)
+        with self._guard():
+            self._ensure_losses(loss_dtype)
+            if self.capture:
+                return self._capture.step(sig, inputs, labels)
+            return self._eager_step(sig, inputs, labels, scaler).clone()
+
+    def _agree(self, inputs: Any, labels: Any, train: bool) -> tuple[tuple[int, ...], Any]:
+        """Start a call and agree on its batch (a rejected batch raises on every rank)."""
+        faults = self._faults
+        faults.begin()
+        faults.action = "batch agreement"
+        try:
+            return self._agreement.agree(
+                inputs, labels, train, self._loss_dtype, faults.call, self.device.type
+            )
+        except CommFailure as f:
+            raise faults.consequence(f) from f
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Failures inside a call: reset this rank's step state and tell every rank."""
+        try:
+            yield
+        except CommFailure as f:
+            self._reset()
+            raise self._faults.consequence(f) from f
+        except BaseException as e:
+            self._reset()
+            self._faults.original(e)
+            raise
+
+    def _reset(self) -> None:
+        """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
+        self.runner.drop_state()
+        self.engine.abandon()
+        self._signature = self._infer_signature = None
+        self._capture.activate(None)
 
     def _eager_step(self, sig: tuple[int, ...], inputs: Any, labels: Any, scaler: Any) -> Any:
         handshake = sig != self._signature
@@ -255,6 +332,8 @@ class Pipeline:
         self._prepare_seed(scaler)
         self._run(self._train, handshake)
         loss = self._reduce_loss()
+        if self.groups.nccl and self.num_ranks > 1:  # the loss went on the device: agree here
+            self._on_control("end of step", lambda g: g.allreduce([torch.zeros(1)]))
         if handshake and self.engine.staged:
             self.engine.warm()
         return loss
@@ -264,21 +343,26 @@ class Pipeline:
         depth = ranges.depth
         ranges.push("step")
         engine.begin(handshake)
+        name, comm = "", None
         try:
             for posts, waits, fn, args, name in program.instrs:
-                for post in posts:
-                    post()
-                for wait in waits:
-                    wait()
+                for comm in posts:
+                    comm()
+                for comm in waits:
+                    comm()
+                comm = None
                 if fn is not None:
                     ranges.push(name)
                     fn(*args)
                     ranges.pop()
+            name = "wait sends"
             engine.finish()
             self._check_drained()
         except BaseException:
-            self.runner.drop_state()
-            engine.abandon()
+            # What this rank was doing: an action, or posting / waiting for a transfer.
+            if comm is not None:
+                name = f"{comm.__name__} {comm.__self__.name}"
+            self._faults.action = name or "the end of the step"
             raise
         finally:
             ranges.unwind(depth)
@@ -316,15 +400,36 @@ class Pipeline:
         """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
         if self.is_loss_rank:
             torch.mean(self.runner.losses, dim=0, out=self._loss_out)
-        if self.num_ranks > 1:
+            if self.data_parallel is not None:  # the mean over the replicas' loss ranks
+                self.data_parallel.average_loss(self._loss_out)
+        if self.num_ranks == 1:
+            return self._loss_out
+        if self.device.type == "cuda":  # on device: it runs inside captured graphs
             dist.broadcast(self._loss_out, src=self._global[self.loss_rank], group=self.group)
+            return self._loss_out
+        self._on_control("loss", lambda g: g.broadcast(self._loss_out, self.loss_rank))
         return self._loss_out
+
+    def _on_control(self, what: str, op: Callable[[Any], Any]) -> None:
+        """Run collective ``op(control group)`` and wait; a failure is a ``CommFailure``."""
+        self._faults.action = what
+        control = self.groups.control
+        try:
+            if control is None:
+                raise RuntimeError("the pipeline's process groups were dropped")
+            op(control).wait()
+        except RuntimeError as e:
+            raise CommFailure(None, what, e.with_traceback(None)) from None
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
         """Forward only (no autograd state kept): the concatenated outputs on the rank that
         runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline."""
-        sig, _ = self._agreement.agree(inputs, None, False, self._loss_dtype)
+        sig, _ = self._agree(inputs, None, False)
+        with self._guard():
+            return self._forward(sig, inputs)
+
+    def _forward(self, sig: tuple[int, ...], inputs: Any) -> Any:
         handshake = sig != self._infer_signature
         self._infer_signature = sig
         engine, runner = self.engine, self.runner
@@ -402,6 +507,17 @@ class Pipeline:
         stored stage activations and gradients (held by autograd, or by the CUDA graph pool
         when captured)."""
         return self._capture.memory_report()
+
+
+def _seconds(timeout: float | datetime.timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(seconds)
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def as_tuple_out(o: Any) -> tuple:

@@ -46,6 +46,37 @@ class Program:
     recvs: list[RecvTransfer] = field(default_factory=list)
     posted_at: dict[int, int] = field(default_factory=dict)  # id(transfer) -> step
 
+    # -- hooks for the parts that run inside the step (data_parallel, clipping) -------------
+    # Instructions past ``len(steps)`` are trailing ones added here (no lowered step).
+
+    def last_grad_steps(self) -> dict[int, int]:
+        """``{stage: instruction index}`` of each stage's last ``B``, ``I`` or ``W``: after it
+        the stage's gradients of the step are final."""
+        last: dict[int, int] = {}
+        for k, step in enumerate(self.steps):
+            for part in step.compute.parts() if step.compute is not None else ():
+                if part.op in (Op.B, Op.I, Op.W):
+                    last[part.stage] = k
+        return last
+
+    def call_after(self, k: int, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` right after instruction ``k``'s compute, as the first post of the next
+        instruction (a trailing one when ``k`` is the last)."""
+        if k + 1 == len(self.instrs):
+            self.append()
+        posts, waits, handler, args, name = self.instrs[k + 1]
+        self.instrs[k + 1] = ((fn, *posts), waits, handler, args, name)
+
+    def append(
+        self,
+        waits: tuple[Callable[[], None], ...] = (),
+        handler: Callable[..., None] | None = None,
+        args: tuple = (),
+        name: str = "",
+    ) -> None:
+        """Add a trailing instruction: ``waits``, then ``handler(*args)`` in range ``name``."""
+        self.instrs.append(((), tuple(waits), handler, args, name))
+
 
 def _handler(runner: StageRunner, action: Action | None) -> tuple[object, tuple, str]:
     if action is None:

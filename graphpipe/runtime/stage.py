@@ -57,6 +57,8 @@ class StageRunner:
     num_microbatches: M; tables are indexed by micro-batch.
     split: ``split[li][mb]`` is True when that micro-batch's backward is an ``I`` (its
         forward then takes the deferrable Linear path).
+    defer: switch the stages' ``nn.Linear`` layers to ``DeferrableLinear`` (False: every
+        weight gradient is computed during ``I``; ``W`` actions then have nothing to do).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class StageRunner:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         device: torch.device,
         split: list[list[bool]],
+        defer: bool = True,
     ) -> None:
         self.modules = tuple(modules)
         self.stage_ids = tuple(stage_ids)
@@ -81,7 +84,8 @@ class StageRunner:
         self.prev_local = [self.local.get(s - 1) for s in self.stage_ids]
         self.stores = tuple(WeightGradStore() for _ in self.modules)
         self.num_deferrable = tuple(
-            make_deferrable(m, st) for m, st in zip(self.modules, self.stores, strict=True)
+            make_deferrable(m, st) if defer else 0
+            for m, st in zip(self.modules, self.stores, strict=True)
         )
         m, k = num_microbatches, len(self.modules)
         self.inputs: list[list[Any]] = [[None] * m for _ in range(k)]  # leaves
@@ -206,12 +210,14 @@ class StageRunner:
 
     def backward_full(self, li: int, mb: int) -> None:
         tensors, grads = self._backward_operands(li, mb)
+        self.stores[li].split = self.split[li][mb]  # an activation checkpoint recomputes F
         if tensors:
             torch.autograd.backward(tensors, grads)
         self._finish_backward(li, mb)
 
     def backward_input(self, li: int, mb: int) -> None:
         tensors, grads = self._backward_operands(li, mb)
+        self.stores[li].split = self.split[li][mb]  # an activation checkpoint recomputes F
         with self.stores[li].deferring((self.stage_ids[li], mb)):
             if tensors:
                 torch.autograd.backward(tensors, grads)
@@ -233,6 +239,8 @@ class StageRunner:
         hook = getattr(type(fmod), OVERLAP_HOOK, None)
         if hook is not None and type(fmod) is type(bmod):
             x = self._forward_inputs(fli, fmb)
+            # The B's stage first: with one stage on both sides the F's value must win.
+            self.stores[bli].split = self.split[bli][bmb]
             self.stores[fli].split = self.split[fli][fmb]
             tensors, grads = self._backward_operands(bli, bmb)
             if full:

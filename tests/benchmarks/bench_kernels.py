@@ -12,14 +12,19 @@ default ``pytest`` run ignores tests/benchmarks, naming the file includes it):
 
     pytest tests/benchmarks/bench_kernels.py --benchmark-columns=median,ops
     python tests/benchmarks/bench_kernels.py [--ops rms_norm,cross_entropy] [--no-compile]
+        [--json FILE]
 
-The pytest form records GB/s in each benchmark's ``extra_info``; the script prints a table.
+The pytest form records GB/s in each benchmark's ``extra_info``; the script prints a table
+and first measures the device-to-device copy bandwidth (``copy_`` of a 1 GiB buffer, bytes
+read plus bytes written over the median time), the practical ceiling of these memory-bound
+ops, and gives each GB/s figure as a fraction of it too. ``--json`` writes those figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,23 +202,44 @@ def test_kernel_bandwidth(benchmark, case: Case, impl: str, direction: str) -> N
 # --------------------------------------------------------------------------- script
 
 
+COPY_BYTES = 1 << 30  # 1 GiB: many times the H200's 60 MB of L2
+
+
+def copy_bandwidth_gbps(do_bench: Callable[..., float]) -> float:
+    """Device-to-device copy bandwidth in GB/s: 2 x COPY_BYTES moved (read + write) per copy."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print a table of ms and GB/s per op, shape, direction and implementation."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(FLOORS), help="comma-separated ops")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: CUDA is not available; nothing to benchmark")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"skipped": "CUDA is not available"}, f)
         return 0
     from triton.testing import do_bench
 
     ops = {op.strip() for op in args.ops.split(",") if op.strip()}
     impls = [i for i in IMPLS if not (args.no_compile and i == "compile")]
+    copy_gbps = copy_bandwidth_gbps(do_bench)
+    torch.cuda.empty_cache()  # give the copy buffers back
     print(f"device: {torch.cuda.get_device_name()}")
-    header = f"{'case':<34} {'dir':<4} " + " ".join(f"{i + ' ms':>11} {'GB/s':>7}" for i in impls)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+    header = f"{'case':<34} {'dir':<4} " + " ".join(
+        f"{i + ' ms':>11} {'GB/s':>7} {'copy%':>6}" for i in impls
+    )
     print(header)
     print("-" * len(header))
+    rows = []
     for case in (c for c in CASES if c.op in ops):
         for direction in DIRECTIONS:
             cells = []
@@ -221,10 +247,29 @@ def main(argv: list[str] | None = None) -> int:
                 run = make_runner(case, impl, direction)
                 ms = do_bench(run, warmup=25, rep=100, return_mode="median")
                 gbps = case.floor_bytes(direction) / (ms * 1e-3) / 1e9
-                cells.append(f"{ms:>11.4f} {gbps:>7.0f}")
+                cells.append(f"{ms:>11.4f} {gbps:>7.0f} {100 * gbps / copy_gbps:>6.1f}")
+                rows.append(
+                    {
+                        "case": case.name,
+                        "direction": direction,
+                        "impl": impl,
+                        "ms": ms,
+                        "gbps": gbps,
+                        "fraction_of_copy": gbps / copy_gbps,
+                    }
+                )
                 del run
                 torch.cuda.empty_cache()
             print(f"{case.name:<34} {direction:<4} " + " ".join(cells))
+    if args.json:
+        figures = {
+            "device": torch.cuda.get_device_name(),
+            "copy_gbps": copy_gbps,
+            "floor": "bytes each op must move at minimum (the *_TRAFFIC_FLOOR constants)",
+            "results": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
     return 0
 
 

@@ -7,7 +7,10 @@ import torch
 
 from graphpipe.kernels import rms_norm, rms_norm_residual
 from graphpipe.kernels.rms_norm import (
+    LOOPED_BLOCK,
     MAX_FUSED_WIDTH,
+    rms_norm_backward,
+    rms_norm_config,
     rms_norm_forward,
     rms_norm_reference,
     rms_norm_residual_reference,
@@ -149,11 +152,84 @@ def test_rms_norm_non_contiguous_input(device):
     _close(dbase, dbase_ref, 1e-5, 1e-5)
 
 
-def test_rms_norm_too_wide_row_is_rejected(device):
-    x = torch.zeros(1, MAX_FUSED_WIDTH + 1, device=device)
-    w = torch.ones(MAX_FUSED_WIDTH + 1, device=device)
-    with pytest.raises(ValueError, match="at most"):
-        rms_norm_forward(x, w, 1e-6)
+def test_config_is_fused_up_to_the_cap_and_looped_beyond():
+    for n in (1, 37, 4096, MAX_FUSED_WIDTH):
+        cfg = rms_norm_config(n)
+        assert cfg.n_chunks == 1 and cfg.block >= n, (n, cfg)
+    for n in (MAX_FUSED_WIDTH + 1, 16384, 65536, 131072 + 37):
+        cfg = rms_norm_config(n)
+        assert cfg.block == LOOPED_BLOCK and cfg.n_chunks == -(-n // LOOPED_BLOCK), (n, cfg)
+    assert rms_norm_config(37, max_fused_width=16, looped_block=16).n_chunks == 3
+    with pytest.raises(ValueError, match="n_cols=0"):
+        rms_norm_config(0)
+
+
+def _small_looped(n_cols: int):
+    """The looped path on a small row: 16-column chunks (3 for 37 columns, 9 for 129)."""
+    return rms_norm_config(n_cols, max_fused_width=8, looped_block=16)
+
+
+@pytest.mark.usefixtures("triton_path")
+@pytest.mark.parametrize("shape", [(1, 37), (5, 129), (7, 64), (3, 17)], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_looped_path_matches_reference(shape, residual, dtype, atol, rtol, device):
+    """Launchers forced onto the looped path (rows in 16-column chunks), forward and
+    backward (with the incoming new_residual gradient for the residual variant)."""
+    cfg = _small_looped(shape[-1])
+    assert cfg.n_chunks > 1
+    x = _leaf(shape, dtype, device, 20, scale=3.0)
+    res = _leaf(shape, dtype, device, 21) if residual else None
+    w = _leaf(shape[-1:], dtype, device, 22)
+    dy = _leaf(shape, dtype, device, 23).detach()
+    dh = _leaf(shape, dtype, device, 24).detach() if residual else None
+
+    with torch.no_grad():
+        y, h, rstd = rms_norm_forward(x, w, 1e-6, residual=res, config=cfg)
+        normed = h if residual else x
+        dx, dw = rms_norm_backward(dy, normed, w, rstd, dh=dh, config=cfg)
+
+    if residual:
+        y_ref, h_ref = rms_norm_residual_reference(x, res, w, 1e-6)
+        _close(h, h_ref, **_exact_add_tol(dtype))
+        dx_ref, dw_ref = torch.autograd.grad((y_ref, h_ref), (x, w), (dy, dh))
+    else:
+        y_ref = rms_norm_reference(x, w, 1e-6)
+        dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, w), dy)
+    _close(y, y_ref, atol, rtol)
+    _close(dx, dx_ref, atol, rtol)
+    _close(dw, dw_ref, atol * 4, rtol)
+
+
+@pytest.mark.usefixtures("triton_path")
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+def test_rows_wider_than_the_fused_cap_take_the_looped_path(dtype, atol, rtol, device):
+    """Through the public ops and autograd, at the smallest default looped width plus an
+    awkward remainder: MAX_FUSED_WIDTH + 37 columns (3 chunks of LOOPED_BLOCK)."""
+    shape = (3, MAX_FUSED_WIDTH + 37)
+    assert rms_norm_config(shape[-1]).n_chunks == 3
+    x = _leaf(shape, dtype, device, 30, scale=3.0)
+    res = _leaf(shape, dtype, device, 31)
+    w = _leaf(shape[-1:], dtype, device, 32)
+    dy = _leaf(shape, dtype, device, 33).detach()
+
+    y = rms_norm(x, w)
+    assert type(y.grad_fn).__name__ == "_RMSNormFnBackward"
+    y_ref = rms_norm_reference(x, w)
+    _close(y, y_ref, atol, rtol)
+    for got, want in zip(
+        torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(y_ref, (x, w), dy), strict=True
+    ):
+        _close(got, want, atol * 4, rtol)
+
+    yr, hr = rms_norm_residual(x, res, w)
+    yr_ref, hr_ref = rms_norm_residual_reference(x, res, w)
+    _close(hr, hr_ref, **_exact_add_tol(dtype))
+    _close(yr, yr_ref, atol, rtol)
+    grads = torch.autograd.grad(yr, (x, res, w), dy)
+    grads_ref = torch.autograd.grad(yr_ref, (x, res, w), dy)
+    for got, want in zip(grads, grads_ref, strict=True):
+        _close(got, want, atol * 4, rtol)
 
 
 def test_reference_matches_torch_rms_norm():

@@ -1,0 +1,264 @@
+"""Data parallelism across pipeline replicas: gradient and loss averaging inside the step.
+
+With ``Pipeline(..., group=pp_group, dp_group=dp_group)`` every pipeline rank belongs to two
+groups: its pipeline (``group``) and the ranks that hold the same stages in the other
+replicas (``dp_group``). Each replica runs the whole schedule on its own batch; this module
+then makes the replicas' gradients equal to the gradients of the mean loss over all of them:
+
+* **When.** A stage's gradients are final once its last ``B``, ``I`` or ``W`` of the step has
+  run (``Program.last_grad_steps``). Its reduction is posted right after that instruction
+  (``Program.call_after``), as asynchronous all-reduces, so it overlaps the rest of the step;
+  one trailing instruction waits for all of them (inside a ``wait dp grads`` range) before the
+  step returns. Under capture they are part of the static step (and of its CUDA graph).
+* **What.** Each parameter once: a Parameter used by two local stages (tied weights, e.g.
+  stage 0 and the last stage on rank 0 under DualPipeV) is reduced with the stage whose last
+  gradient action comes later. Parameters are grouped per stage into buckets of at most
+  ``bucket_cap_mb`` (one dtype and device each): a bucket of several parameters is copied into
+  one flat buffer (allocated in the first step, static afterwards), summed, divided by the
+  number of replicas and copied back; a parameter alone in its bucket is reduced in place.
+* **Loss.** The loss rank's mean loss is averaged over its ``dp_group`` (every replica's loss
+  rank) before the pipeline broadcasts it, so every rank returns the global mean.
+* **Setup.** The groups are checked (one pipeline position per ``dp_group``), and the stages'
+  parameters and buffers are broadcast from the first replica, as
+  ``DistributedDataParallel`` does, so that the replicas start equal.
+
+Rank layout with ``init_device_mesh(device, (D, N), mesh_dim_names=("dp", "pp"))``: global
+rank ``d * N + p`` is pipeline rank ``p`` of replica ``d``; ``mesh.get_group("pp")`` is its
+pipeline and ``mesh.get_group("dp")`` its data-parallel group.
+
+Stages wrapped in ``DistributedDataParallel`` or sharded with FSDP are refused
+(``check_stage_wrappers``): their hooks would fire per micro-batch and the deferred weight
+gradients bypass them (DDP replicas then drift apart with no error; FSDP2 fails inside the
+``W`` on a DTensor gradient).
+
+Owns: the buckets, their flat buffers and the in-flight works. May touch: the ``.grad`` of
+the pipeline's parameters (in place, or set once when ``None``), the loss buffer, the
+``dp_group``. Must not: touch the pipeline group or run stage code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+__all__ = ["DataParallel", "check_stage_wrappers"]
+
+
+def _wrappers() -> tuple[tuple[type, str], ...]:
+    """``(class, what to say)`` for the data-parallel wrappers torch has in this build."""
+    out: list[tuple[type, str]] = []
+    if not dist.is_available():
+        return ()
+    from torch.nn.parallel import DistributedDataParallel
+
+    out.append((DistributedDataParallel, "DDP"))
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - every torch this project supports has both
+        return tuple(out)
+    out += [(FSDPModule, "FSDP2"), (FullyShardedDataParallel, "FSDP")]
+    return tuple(out)
+
+
+def check_stage_wrappers(stages: Sequence[nn.Module], stage_ids: Sequence[int]) -> None:
+    """``ValueError`` for a stage that is (or holds) a DDP or FSDP module, naming the stage,
+    the module and what to pass instead."""
+    kinds = _wrappers()
+    for s, stage in zip(stage_ids, stages, strict=True):
+        for path, mod in stage.named_modules():
+            for cls, kind in kinds:
+                if not isinstance(mod, cls):
+                    continue
+                where = f"stage {s}" + (f" (submodule {path!r})" if path else "")
+                if kind == "DDP":
+                    raise ValueError(
+                        f"{where} is wrapped in DistributedDataParallel: its hooks reduce per "
+                        "micro-batch and miss the deferred weight gradients, so replicas "
+                        "would drift apart. Pass the module itself (ddp.module) and "
+                        "dp_group=ddp.process_group: the pipeline averages each stage's "
+                        "gradients once per step, after its last W"
+                    )
+                how = "fully_shard (FSDP2)" if kind == "FSDP2" else "FullyShardedDataParallel"
+                raise ValueError(
+                    f"{where} is sharded with {how}, which graphpipe does not support: its "
+                    "all-gathers and reduce-scatters hang on per-micro-batch forward/backward "
+                    "hooks that the split backward (I, then a deferred W) bypasses. Pass the "
+                    "unsharded stage and dp_group=mesh.get_group('dp') for replicated data "
+                    "parallelism (gradients averaged once per step, after each stage's last "
+                    "W), or use torch.distributed.pipelining.PipelineStage for FSDP stages"
+                )
+
+
+class _Bucket:
+    """Parameters of one stage, dtype and device, reduced together."""
+
+    __slots__ = ("flat", "params", "target", "views", "work")
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.flat: torch.Tensor | None = None  # several parameters: their flat copy
+        self.views: list[torch.Tensor] = []
+        self.target: torch.Tensor | None = None  # what this step's all-reduce sums
+        self.work: Any = None
+
+    def load(self) -> torch.Tensor:
+        """The tensor to sum: the one gradient in place, or the gradients copied flat."""
+        grads = [_grad(p) for p in self.params]
+        if len(grads) == 1 and grads[0].is_contiguous():
+            return grads[0]
+        if self.flat is None:
+            g0 = grads[0]
+            self.flat = torch.empty(sum(g.numel() for g in grads), dtype=g0.dtype, device=g0.device)
+            self.views = list(self.flat.split([g.numel() for g in grads]))
+        return torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+
+    def store(self, size: int) -> None:
+        """Divide the sum by ``size`` and write it back into the gradients."""
+        target = self.target
+        target.div_(size)
+        if target is not self.flat:
+            return
+        for p, v in zip(self.params, self.views, strict=True):
+            p.grad.copy_(v.view_as(p.grad))
+
+
+class DataParallel:
+    """Averages a pipeline's gradients and loss over its data-parallel group.
+
+    ``DataParallel(pipe, dp_group)`` checks the groups, broadcasts the stages' state from the
+    first replica and hooks the reductions into ``pipe``'s training program (see the module
+    doc). ``bucket_cap_mb``: the largest bucket in MiB (a larger parameter is its own bucket).
+    """
+
+    def __init__(self, pipe: Pipeline, dp_group: Any, bucket_cap_mb: float = 25.0) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("dp_group was given but torch.distributed is not initialized")
+        self.group = dp_group
+        self.size = dist.get_world_size(dp_group)
+        self.ranges = pipe.ranges
+        self._check_layout(pipe)
+        self._sync_state(pipe.modules)
+        program = pipe._train
+        last = program.last_grad_steps()
+        ids = pipe.stage_ids
+        end = len(program.instrs) - 1
+        at = {li: last.get(s, end) for li, s in enumerate(ids)}
+        owner: dict[int, tuple[int, nn.Parameter]] = {}
+        for li in sorted(at, key=lambda li: (at[li], li)):  # the later stage keeps a tied one
+            for p in pipe.modules[li].parameters():
+                if p.requires_grad:
+                    owner.pop(id(p), None)
+                    owner[id(p)] = (li, p)
+        cap = int(bucket_cap_mb * 2**20)
+        self.buckets: dict[int, list[_Bucket]] = {li: [] for li in at}
+        by_stage: dict[int, list[nn.Parameter]] = {li: [] for li in at}
+        for li, p in owner.values():
+            by_stage[li].append(p)
+        for li, params in by_stage.items():
+            self.buckets[li] = _bucketize(params, cap)
+        self._in_flight: list[_Bucket] = []
+        self._first: int | None = None
+        if self.size == 1:
+            return  # nothing to average
+        for li in sorted(at, key=lambda li: (at[li], li)):
+            if self.buckets[li]:
+                self._first = li if self._first is None else self._first
+                program.call_after(at[li], functools.partial(self.start, li))
+        program.append(waits=(self.wait,))
+
+    # ------------------------------------------------------------------ setup
+    def _check_layout(self, pipe: Pipeline) -> None:
+        """Every member of ``dp_group`` must be the same pipeline rank of a same-size pipeline."""
+        mine = torch.tensor([pipe.rank, pipe.num_ranks], dtype=torch.int64)
+        if self.size == 1:
+            return
+        if dist.get_backend(self.group) == "nccl":
+            mine = mine.to(pipe.device)
+        got = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(got, mine, group=self.group)
+        seen = sorted({tuple(t.tolist()) for t in got})
+        if len(seen) > 1:
+            raise ValueError(
+                "dp_group must join the ranks that run the same stages in each replica: its "
+                f"members are (pipeline rank, pipeline size) {seen}; with a DeviceMesh "
+                "('dp', 'pp') pass group=mesh.get_group('pp'), dp_group=mesh.get_group('dp')"
+            )
+
+    def _sync_state(self, modules: Sequence[nn.Module]) -> None:
+        if self.size == 1:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        seen: set[int] = set()
+        with torch.no_grad():
+            for mod in modules:
+                for t in [*mod.parameters(), *mod.buffers()]:
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        dist.broadcast(t.data, src=src, group=self.group)
+
+    # ------------------------------------------------------------------- step
+    def start(self, li: int) -> None:
+        """Post the reductions of local stage ``li`` (its gradients are final)."""
+        if li == self._first:  # the step's first: forget what a failed step left posted
+            self.abandon()
+        for b in self.buckets[li]:
+            b.target = b.load()
+            b.work = dist.all_reduce(b.target, group=self.group, async_op=True)
+            self._in_flight.append(b)
+
+    def wait(self) -> None:
+        """Wait for every posted reduction and write the averages into ``.grad``."""
+        if not self._in_flight:
+            return
+        ranges = self.ranges
+        ranges.push("wait dp grads")
+        try:
+            for b in self._in_flight:
+                b.work.wait()
+                b.store(self.size)
+        finally:
+            self.abandon()
+            ranges.pop()
+
+    def average_loss(self, loss: torch.Tensor) -> None:
+        """On the loss rank: ``loss`` becomes the mean of every replica's ``loss``."""
+        if self.size > 1:
+            dist.all_reduce(loss, group=self.group)
+            loss.div_(self.size)
+
+    def abandon(self) -> None:
+        """Forget the posted reductions (after the wait, or a failed step)."""
+        for b in self._in_flight:
+            b.work = b.target = None
+        self._in_flight.clear()
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    """``p.grad``, set to zeros when the step gave it none (every replica must send it)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _bucketize(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
+    """Consecutive parameters of one dtype and device, up to ``cap`` bytes per bucket."""
+    groups: dict[tuple[torch.dtype, torch.device], list[list[nn.Parameter]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for p in params:
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        runs = groups.setdefault(key, [[]])
+        if runs[-1] and sizes[key] + nbytes > cap:
+            runs.append([])
+            sizes[key] = 0
+        runs[-1].append(p)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [_Bucket(run) for runs in groups.values() for run in runs if run]

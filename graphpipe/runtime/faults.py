@@ -1,0 +1,172 @@
+"""Failure agreement across the pipeline ranks: who failed, at which action, and why.
+
+A failing step must end on every rank, fast and by name, not at the process group's timeout
+with an anonymous transport error. The protocol:
+
+1. The rank where an exception is raised (in a stage, in ``loss_fn``, in one of the
+   runtime's own checks, a ``KeyboardInterrupt``) publishes a notice in the c10d store
+   under the pipeline's key and the number of the call (``step``/``forward``) it was in:
+   ``rank R at ACTION: Type: message``; the first notice of a call wins.
+2. It then breaks its connections: it drops its pipeline process groups, so every peer
+   blocked on it fails at once ("connection closed").
+3. A rank whose P2P or control traffic fails (``CommFailure``) reads the notice and raises
+   ``PipelineError`` with it; it breaks its own connections too, so that the ranks waiting
+   on *it* learn in turn. No notice (a killed peer, or a peer silent past the pipeline's
+   timeout): ``PipelineError`` naming the rank it was waiting for and its own action.
+4. The next call rebuilds the process groups (a new generation, fresh connections: a message
+   left in flight by the failed call can never be received by a later one). A rank that
+   cannot rejoin (a dead peer) makes the pipeline closed: every later call raises.
+
+Owns: the notices in the store. May touch: nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from graphpipe.errors import PipelineError
+
+__all__ = ["CommFailure", "FaultNotices", "Faults", "PipelineClosed", "add_note"]
+
+_GRADS = (
+    "parameters' .grad may hold partial sums from the failed step: zero the gradients "
+    "before the next step"
+)
+
+
+class CommFailure(RuntimeError):
+    """P2P or control traffic of this rank failed (a consequence, not a cause).
+
+    peer: the pipeline rank it was talking to, or None (a collective).
+    what: what it was doing (``wait 3RECV_F5``, ``wait sends``, ``batch agreement``).
+    """
+
+    def __init__(self, peer: int | None, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {type(cause).__name__}: {cause}")
+        self.peer, self.what, self.cause = peer, what, cause
+
+
+class PipelineClosed(PipelineError):
+    """The pipeline cannot run any more (a peer is gone, or NCCL state is lost)."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python >= 3.11), by hand on 3.10."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
+class FaultNotices:
+    """The failure notices of one pipeline in the c10d store.
+
+    store: the job's store (every rank's same one); key: the pipeline's key in it.
+    """
+
+    def __init__(self, store: Any, key: str, rank: int) -> None:
+        self.store, self.key, self.rank = store, key, rank
+
+    def _key(self, call: int) -> str:
+        return f"{self.key}/fail/{call}"
+
+    def publish(self, call: int, action: str, what: BaseException | str) -> bool:
+        """Publish this rank's failure of call ``call`` (an exception, or a text); False if
+        another rank was first."""
+        if self.store is None:
+            return True
+        key = self._key(call)
+        if self.store.add(key + "/claims", 1) != 1:
+            return False
+        where = f" at {action}" if action else ""
+        why = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+        self.store.set(key, f"rank {self.rank}{where}: {why}")
+        return True
+
+    def read(self, call: int, wait_s: float = 1.0) -> str | None:
+        """The notice of call ``call``, waiting up to ``wait_s`` for it; None if none."""
+        if self.store is None:
+            return None
+        key = self._key(call)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=wait_s))
+        except Exception:  # the store's timeout (the type differs across torch versions)
+            return None
+        return self.store.get(key).decode()
+
+    @staticmethod
+    def lost(failure: CommFailure) -> str:
+        """What a rank that lost a peer (and found no notice) tells the others."""
+        cause = str(failure.cause).strip().splitlines()[0] if str(failure.cause) else ""
+        who = f"rank {failure.peer}" if failure.peer is not None else "a peer"
+        return (
+            f"lost {who} during '{failure.what}', and no rank reported an error: {who} is gone "
+            f"or stuck ({type(failure.cause).__name__}: {cause})"
+        )
+
+    @staticmethod
+    def explain(notice: str, me: int, action: str) -> str:
+        """The message of the ``PipelineError`` a rank raises for a failure ``notice``."""
+        at = f" at {action}" if action else ""
+        return f"the step failed on {notice} (this rank: rank {me}{at}); {_GRADS}"
+
+
+class Faults:
+    """What a pipeline does about failures, call by call (see the module doc).
+
+    notices: the store's notices; groups: the pipeline's groups (dropped on a failure,
+    rebuilt at the next call). ``action``: what this rank was doing when it failed.
+    """
+
+    def __init__(self, notices: FaultNotices, groups: Any, rank: int) -> None:
+        self.notices, self.groups, self.rank = notices, groups, rank
+        self.call = 0
+        self.action = ""
+        self.closed: str | None = None
+
+    def begin(self) -> None:
+        """Start a call: refuse if closed, rebuild the groups after a failed call."""
+        if self.closed is not None:
+            raise PipelineClosed(self.closed)
+        self.call += 1
+        self.action = ""
+        if self.groups.dropped:
+            try:
+                self.groups.rebuild()
+            except Exception as e:
+                self.closed = (
+                    f"pipeline closed: rank {self.rank} could not rebuild its process groups "
+                    f"after a failed step (a peer is gone?): {type(e).__name__}: {e}"
+                )
+                raise PipelineClosed(self.closed) from None
+
+    def _drop(self) -> None:
+        self.groups.drop()
+        if self.groups.nccl:
+            self.closed = (
+                f"pipeline closed: a step failed (call {self.call}) and NCCL state cannot be "
+                "recovered; build a new pipeline (and process groups)"
+            )
+
+    def original(self, exc: BaseException) -> None:
+        """This rank raised ``exc``: publish it, tell the peers (drop the groups), note it."""
+        self.notices.publish(self.call, self.action, exc)
+        self._drop()
+        where = f" at action {self.action}" if self.action else ""
+        add_note(
+            exc,
+            f"graphpipe: raised on rank {self.rank}{where}; every other rank raises "
+            f"PipelineError naming it; {_GRADS}",
+        )
+
+    def consequence(self, failure: CommFailure) -> PipelineError:
+        """This rank's traffic failed: the error to raise (naming the rank that failed)."""
+        notice = self.notices.read(self.call)
+        if notice is None:  # nobody reported: this rank found the loss; tell the others
+            self.notices.publish(self.call, self.action, FaultNotices.lost(failure))
+            notice = self.notices.read(self.call)
+        self._drop()
+        if notice is None:  # a one-rank store-less pipeline cannot get here; be safe anyway
+            notice = f"rank {self.rank}: {FaultNotices.lost(failure)}"
+        return PipelineError(FaultNotices.explain(notice, self.rank, self.action))

@@ -1,0 +1,253 @@
+"""A fault on one rank reaches every rank, fast and by name; the next step works.
+
+Every case runs with a pipeline timeout of 300 s and a gloo timeout of 300 s: a rank that
+learned of a failure only through a timeout would hang the test past ``run_ranks``' limit,
+so passing proves the failure travelled by the protocol (``graphpipe.runtime.faults``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.pipeline_models import batch, build_stages, local_stages, mse, params
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+LONG = 300.0  # seconds: no test may depend on reaching it
+
+
+class Boom(Exception):
+    """The planted failure."""
+
+
+def _arm(pipe, mine, kind: str, stage: int, mb: int, state: dict) -> None:
+    """Plant a failure of ``kind`` at ``(stage, mb)`` that fires while ``state['armed']``."""
+    from graphpipe.weightgrad import WeightGradStore
+
+    ids = pipe.stage_ids
+    if stage not in ids:
+        return
+    module = mine[ids.index(stage)]
+    if kind == "W":  # this process's stores share the class: the patch checks which store
+        target, real = pipe.stores[ids.index(stage)], WeightGradStore.run
+
+        def run(store, key):
+            if state["armed"] and store is target and key == (stage, mb):
+                raise Boom(f"planted in W of stage {stage} mb {mb}")
+            return real(store, key)
+
+        WeightGradStore.run = run
+        return
+    real_forward = module.forward
+    calls = {"n": 0}
+
+    def forward(*args):
+        calls["n"] += 1
+        if state["armed"] and calls["n"] == mb + 1:
+            if kind == "F":
+                raise Boom(f"planted in F of stage {stage} mb {mb}")
+            if kind == "interrupt":
+                raise KeyboardInterrupt
+            if kind == "not-a-tensor":
+                return ["not", "tensors"]
+            if kind == "die":
+                os._exit(3)
+        return real_forward(*args)
+
+    module.forward = forward
+    state.setdefault("counters", []).append(calls)
+
+
+def _case(rank: int, world: int, kind: str, stage: int, mb: int, fail_step: int) -> dict:
+    import graphpipe
+
+    mine = local_stages(build_stages(2 * world), rank, world)
+    fresh_stages = local_stages(build_stages(2 * world), rank, world)
+    pipe = graphpipe.DualPipeV(mine, num_microbatches=2 * world, loss_fn=mse, timeout=LONG)
+    state = {"armed": False}
+    _arm(pipe, mine, kind, stage, mb, state)
+    out: dict = {}
+    for step in range(fail_step + 2):
+        for c in state.get("counters", []):
+            c["n"] = 0
+        state["armed"] = step == fail_step
+        for p in params(mine):
+            p.grad = None
+        x, y = batch(4 * world, seed=step)
+        try:
+            loss = pipe.step(x if rank == 0 else None, y if rank == 0 else None)
+        except BaseException as e:  # KeyboardInterrupt too
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["notes"] = list(getattr(e, "__notes__", []))
+            continue
+        out.setdefault("losses", []).append(loss)
+    # After the failure: the last step equals a fresh pipeline's on the same weights.
+    fresh = graphpipe.DualPipeV(fresh_stages, num_microbatches=2 * world, loss_fn=mse, timeout=LONG)
+    x, y = batch(4 * world, seed=fail_step + 1)
+    ref = fresh.step(x if rank == 0 else None, y if rank == 0 else None)
+    out["after_equal"] = torch.equal(out["losses"][-1], ref) and all(
+        torch.equal(a.grad, b.grad) for a, b in zip(params(mine), params(fresh_stages))
+    )
+    return out
+
+
+def _owner(stage: int, world: int) -> int:
+    return stage if stage < world else 2 * world - 1 - stage
+
+
+@pytest.mark.parametrize(
+    ("world", "kind", "stage", "mb", "fail_step", "action"),
+    [
+        (2, "F", 1, 2, 1, "1F2"),  # a middle stage, a later step
+        (2, "F", 2, 0, 0, "2F0"),  # the very first step (the handshake)
+        (2, "W", 0, 3, 1, "0W3"),  # the last action of rank 0, after all its P2P
+        (2, "interrupt", 0, 1, 1, "0F1"),
+        (4, "F", 5, 1, 1, "5F1"),
+        (4, "not-a-tensor", 2, 0, 1, "2F0"),
+    ],
+)
+def test_a_failure_reaches_every_rank_by_name_and_the_next_step_works(
+    world, kind, stage, mb, fail_step, action
+) -> None:
+    results = run_ranks(_case, world, kind, stage, mb, fail_step, timeout=240, pg_timeout=LONG)
+    culprit = _owner(stage, world)
+    original = {
+        "F": "Boom: planted in F",
+        "W": "Boom: planted in W",
+        "interrupt": "KeyboardInterrupt",
+        "not-a-tensor": "TypeError: the output of stage 2 must be a tensor or a tuple of tensors",
+    }[kind]
+    for rank, res in enumerate(results):
+        assert res["after_equal"], f"rank {rank}: the step after the failure differs"
+        if rank == culprit:
+            assert res["error"].startswith(original), res["error"]
+            assert any(f"raised on rank {rank} at action {action}" in n for n in res["notes"])
+        else:
+            assert res["error"].startswith(
+                f"PipelineError: the step failed on rank {culprit} at {action}: "
+            ), f"rank {rank}: {res['error']}"
+            assert original.split(":")[0] in res["error"]
+            assert "zero the gradients before the next step" in res["error"]
+
+
+def _loss_fn_case(rank: int, world: int) -> dict:
+    import graphpipe
+
+    mine = local_stages(build_stages(2 * world), rank, world)
+    pipe = graphpipe.DualPipeV(
+        mine, num_microbatches=2 * world, loss_fn=lambda out, y: "not a tensor", timeout=LONG
+    )
+    x, y = batch(4 * world)
+    try:
+        pipe.step(x if rank == 0 else None, y if rank == 0 else None)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+def test_a_loss_fn_that_returns_no_tensor_fails_every_rank_by_name() -> None:
+    r0, r1 = run_ranks(_loss_fn_case, 2, timeout=120, pg_timeout=LONG)
+    assert r0["error"] == "ValueError: loss_fn must return a 0-dim tensor, got str"
+    assert r1["error"].startswith("PipelineError: the step failed on rank 0 at 3F0: ValueError")
+
+
+def _dead_peer_case(rank: int, world: int) -> dict:
+    import graphpipe
+    from graphpipe.runtime.faults import PipelineClosed
+
+    mine = local_stages(build_stages(2 * world), rank, world)
+    pipe = graphpipe.DualPipeV(mine, num_microbatches=2 * world, loss_fn=mse, timeout=5)
+    state = {"armed": False}
+    _arm(pipe, mine, "die", 1, 1, state)  # rank 1 dies in 1F1 of the second step
+    out = {}
+    x, y = batch(4 * world)
+    for step in range(4):
+        state["armed"] = step == 1
+        for c in state.get("counters", []):
+            c["n"] = 0
+        try:
+            pipe.step(x if rank == 0 else None, y if rank == 0 else None)
+        except Exception as e:
+            out[step] = f"{type(e).__name__}: {e}"
+            out[f"{step}_closed"] = isinstance(e, PipelineClosed)
+    return out
+
+
+def test_a_killed_peer_is_named_and_then_the_pipeline_is_closed() -> None:
+    results = run_ranks(_dead_peer_case, 4, timeout=180, pg_timeout=LONG, may_die=(1,))
+    assert results[1] is None  # it died
+    for rank in (0, 2, 3):
+        res = results[rank]
+        assert 0 not in res  # the first step was fine
+        assert res[1].startswith("PipelineError"), res[1]
+        assert "rank 1" in res[1] and "gone or stuck" in res[1], res[1]
+        # the next call cannot rebuild the groups without rank 1: closed, and stays closed
+        assert res["2_closed"] and res["3_closed"], res
+        assert "pipeline closed" in res[2] and res[3] == res[2]
+
+
+def _bad_input_case(rank: int, world: int) -> dict:
+    import graphpipe
+
+    mine = local_stages(build_stages(2 * world), rank, world)
+    pipe = graphpipe.DualPipeV(mine, num_microbatches=2 * world, loss_fn=mse, timeout=LONG)
+    before = [p.detach().clone() for p in params(mine)]
+    x, y = batch(4 * world)
+    out: dict = {}
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    mine0 = rank == 0
+    attempt("no rows", lambda: pipe.step(x[:0] if mine0 else None, y[:0] if mine0 else None))
+    attempt("dtype", lambda: pipe.step(x.float() if mine0 else None, y if mine0 else None))
+    # forward() on rank 0 while rank 1 calls step(): both sides are told, nobody hangs
+    attempt(
+        "calls",
+        lambda: pipe.forward(x) if mine0 else pipe.step(None, None),
+    )
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(mine)))
+    out["grads_none"] = all(p.grad is None for p in params(mine))
+    out["loss"] = pipe.step(x if mine0 else None, y if mine0 else None)
+    return out
+
+
+def test_bad_input_raises_on_every_rank_and_loses_nothing() -> None:
+    r0, r1 = run_ranks(_bad_input_case, 2, timeout=120, pg_timeout=LONG)
+    assert r0["no rows"] == "ValueError: inputs[0] of shape [0, 8] holds no rows"
+    assert r1["no rows"].startswith("PipelineError: rank 0 rejected this batch")
+    assert r0["dtype"] == (
+        "ValueError: inputs[0] has dtype torch.float32, but stage 0's parameters are "
+        "torch.float64: cast the batch (or run under torch.autocast)"
+    )
+    assert r1["dtype"].startswith("PipelineError: rank 0 rejected this batch")
+    for res in (r0, r1):
+        assert res["calls"].startswith("PipelineError: the pipeline ranks are not in the same call")
+        assert "rank 0: forward()" in res["calls"] and "rank 1: step()" in res["calls"]
+        assert res["unchanged"] and res["grads_none"]
+    torch.testing.assert_close(r0["loss"], r1["loss"], rtol=0, atol=0)
+
+
+def _parameterless_case(rank: int, world: int) -> dict:
+    import graphpipe
+
+    stages = build_stages(2 * world)
+    stages[0], stages[-1] = torch.nn.Tanh(), torch.nn.Tanh()  # rank 0: no parameters at all
+    mine = local_stages(stages, rank, world)
+    pipe = graphpipe.DualPipeV(mine, num_microbatches=2 * world, loss_fn=mse, timeout=LONG)
+    x, y = batch(4 * world)
+    return {"loss": pipe.step(x if rank == 0 else None, y if rank == 0 else None)}
+
+
+def test_ranks_agree_on_the_loss_dtype_whatever_their_parameters() -> None:
+    r0, r1 = run_ranks(_parameterless_case, 2, timeout=120, pg_timeout=LONG)
+    assert r0["loss"].dtype == r1["loss"].dtype == torch.float32  # rank 0's choice
+    assert torch.equal(r0["loss"], r1["loss"]) and r0["loss"].item() > 1e-3
