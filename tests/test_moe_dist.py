@@ -2,17 +2,19 @@
 
 * EP 2 inside DP 4 (no pipeline): each rank runs the whole MoE model on its share of the
   batch, experts sharded over its ep group of 2;
-* PP 2 x DP 2 with EP 2 (the ep group is the dp group): DualPipeV on each replica, its
-  overlapped pairs exchanging tokens with the other replica; the event log shows each
-  all-to-all in flight while the other micro-batch computes; the static replay is bitwise
-  equal to eager.
+* PP 2 x DP 2 with EP 2 (the ep group is the dp group): DualPipeV on each replica with
+  ``dp_group`` and ``expert_groups``, its overlapped pairs exchanging tokens with the other
+  replica; the event log shows each all-to-all in flight while the other micro-batch
+  computes; clipping by the global norm counts every expert once; the static replay is
+  bitwise equal to eager.
 
-Data parallelism (issue 12) is not in this branch: the ranks average the gradients after the
-step as the contract in ``graphpipe.models.moe.expert_parallel_groups`` says (non-expert:
-mean over dp; expert: sum over the expert-data-parallel group, divided by the dp size). The
-reference runs every micro-batch of every replica alone through the unsharded model (the
-capacity and the load-balancing loss are per micro-batch and rank) and averages the losses:
-with enough capacity nothing is dropped; with less, the same capacity drops the same tokens.
+Without a pipeline the ranks average the gradients after the step themselves, as the
+contract in ``graphpipe.models.moe.expert_parallel_groups`` says (non-expert: mean over dp;
+expert: sum over the expert-data-parallel group, divided by the dp size); the pipeline does
+the same inside its step. The reference runs every micro-batch of every replica alone
+through the unsharded model (the capacity and the load-balancing loss are per micro-batch
+and rank) and averages the losses: with enough capacity nothing is dropped; with less, the
+same capacity drops the same tokens.
 One spawn runs every case (4-rank spawns are the expensive part of the suite).
 """
 
@@ -112,19 +114,27 @@ def _ep_in_dp_case(rank: int, factor: float) -> dict:
     }
 
 
-def _pipeline(mesh, factor: float, ep, capture: bool = False):
+CLIP = 0.05  # below the gradient norm of every case: the clipping scales
+
+
+def _pipeline(mesh, factor: float, experts, capture: bool = False, clip: float | None = None):
     import graphpipe
     from graphpipe.models import LlamaLoss, build_stages
 
     p = mesh.get_local_rank("pp")
-    stages = build_stages(_config(factor, 2 * PP), 2 * PP, dtype=torch.float64, ep_group=ep)
+    stages = build_stages(
+        _config(factor, 2 * PP), 2 * PP, dtype=torch.float64, ep_group=experts.ep_group
+    )
     mine = (stages[p], stages[2 * PP - 1 - p])
     pipe = graphpipe.DualPipeV(
         mine,
         num_microbatches=M,
         loss_fn=LlamaLoss(False),
         group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        expert_groups=experts,
         capture=capture,
+        clip_grad_norm=clip,
     )
     return pipe, mine
 
@@ -135,31 +145,32 @@ def _replica_batch(d: int, seed: int = 0):
     return x[share], y[share]
 
 
-def _pp_dp_ep_case(mesh, factor: float) -> dict:
+def _pp_dp_ep_case(mesh, factor: float, clip: float | None) -> dict:
+    """The pipeline averages over dp (experts over the expert-dp group) inside its step."""
     import torch.distributed as dist
 
-    from graphpipe.models import dropped_tokens, expert_parallel_groups, unique_parameters
+    from graphpipe.models import dropped_tokens, expert_parallel_groups
 
     dp = mesh.get_group("dp")
-    ep, edp = expert_parallel_groups(EP, dp)
-    pipe, mine = _pipeline(mesh, factor, ep)
+    experts = expert_parallel_groups(EP, dp)
+    pipe, mine = _pipeline(mesh, factor, experts, clip=clip)
     log: list = []
     for s in mine:
         s.events = log
     x, y = _replica_batch(mesh.get_local_rank("dp"))
     first = pipe.is_input_rank
     loss = pipe.step(x if first else None, y if first else None)
-    _average_like_data_parallel(unique_parameters(mine), dp, edp)
-    dist.all_reduce(loss, group=dp)
     drops = dropped_tokens(mine)
     dist.all_reduce(drops)
     pipe.close()
     return {
-        "loss": loss / DP,
+        "loss": loss,
         "grads": _named_grads(pipe.stage_ids, mine),
         "dropped": drops,
+        "norm": pipe.grad_norm,
         "checked": _check_interleaving(log),
-        "same_group": dist.get_process_group_ranks(ep) == dist.get_process_group_ranks(dp),
+        "same_group": dist.get_process_group_ranks(experts.ep_group)
+        == dist.get_process_group_ranks(dp),
     }
 
 
@@ -172,11 +183,10 @@ def _twin_case(mesh, factor: float) -> list[str]:
         unique_parameters,
     )
 
-    dp = mesh.get_group("dp")
-    ep, edp = expert_parallel_groups(EP, dp)
+    experts = expert_parallel_groups(EP, mesh.get_group("dp"))
     runs = []
     for capture in (False, True):
-        pipe, mine = _pipeline(mesh, factor, ep, capture)
+        pipe, mine = _pipeline(mesh, factor, experts, capture, clip=CLIP)
         params = unique_parameters(mine)
         opt = torch.optim.SGD(params, lr=0.1)
         record = []
@@ -186,7 +196,6 @@ def _twin_case(mesh, factor: float) -> list[str]:
             opt.zero_grad(set_to_none=False)
             reset_dropped_tokens(mine)
             loss = pipe.step(x if first else None, y if first else None).clone()
-            _average_like_data_parallel(params, dp, edp)
             record.append((loss, dropped_tokens(mine), [p.grad.clone() for p in params]))
             opt.step()
         pipe.close()
@@ -205,6 +214,27 @@ def _twin_case(mesh, factor: float) -> list[str]:
     return problems
 
 
+def _refused(mesh) -> str:
+    """Sharded experts with dp_group but no expert_groups: ValueError (not silent averaging)."""
+    import graphpipe
+    from graphpipe.models import LlamaLoss, build_stages, expert_parallel_groups
+
+    experts = expert_parallel_groups(EP, mesh.get_group("dp"))
+    stages = build_stages(_config(0.5, 2 * PP), 2 * PP, ep_group=experts.ep_group)
+    p = mesh.get_local_rank("pp")
+    try:
+        graphpipe.DualPipeV(
+            (stages[p], stages[2 * PP - 1 - p]),
+            num_microbatches=M,
+            loss_fn=LlamaLoss(False),
+            group=mesh.get_group("pp"),
+            dp_group=mesh.get_group("dp"),
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _rank(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -213,8 +243,10 @@ def _rank(rank: int, world: int) -> dict:
     out: dict = {"ep_in_dp": {}, "pp_dp_ep": {}}
     for factor in FACTORS:
         out["ep_in_dp"][factor] = _ep_in_dp_case(rank, factor)
-        out["pp_dp_ep"][factor] = _pp_dp_ep_case(mesh, factor)
+        out["pp_dp_ep"][factor] = _pp_dp_ep_case(mesh, factor, None)
+    out["clipped"] = _pp_dp_ep_case(mesh, 0.5, CLIP)
     out["twin"] = _twin_case(mesh, 0.5)
+    out["refused"] = _refused(mesh)
     return out
 
 
@@ -287,5 +319,27 @@ def test_pp2_dp2_ep2_dualpipev_equals_one_process(results, factor: float) -> Non
     assert seen == set(ref[1])
 
 
+def test_pp2_dp2_ep2_clipping_counts_every_expert_once(results) -> None:
+    pieces = []
+    for d in range(DP):
+        x, y = _replica_batch(d)
+        pieces += list(zip(x.chunk(M), y.chunk(M)))
+    loss, grads, dropped = _reference(0.5, pieces, 2 * PP)
+    unique = {id(g): g for g in grads.values()}.values()  # the tied embedding/head once
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unique]))
+    scale = min(1.0, CLIP / (float(norm) + 1e-6))
+    assert scale < 0.5  # the clipping is active
+    clipped = {k: g * scale for k, g in grads.items()}
+    for res in results:
+        case = res["clipped"]
+        torch.testing.assert_close(case["norm"], norm, rtol=1e-12, atol=0)
+        _compare(case, loss, clipped, dropped, ep=EP)
+
+
 def test_pp2_dp2_ep2_static_replay_is_bitwise_equal_to_eager(results) -> None:
     assert [res["twin"] for res in results] == [[]] * WORLD
+
+
+def test_sharded_experts_without_expert_groups_are_refused(results) -> None:
+    for res in results:
+        assert "sharded over an ep group of 2 ranks: pass expert_groups=" in res["refused"]

@@ -17,10 +17,12 @@ from graphpipe.models.llama import (
 )
 from graphpipe.models.moe import (
     EXPERT_ATTR,
+    ExpertGroups,
     MoEMLP,
     dropped_tokens,
     expert_layout,
     expert_parallel_groups,
+    expert_parallel_size,
     expert_parameters,
     is_expert_parameter,
     reset_dropped_tokens,
@@ -29,6 +31,7 @@ from graphpipe.models.overlap import MoEEvent
 
 __all__ = [
     "EXPERT_ATTR",
+    "ExpertGroups",
     "LlamaBlock",
     "LlamaConfig",
     "LlamaLoss",
@@ -43,6 +46,7 @@ __all__ = [
     "dropped_tokens",
     "expert_layout",
     "expert_parallel_groups",
+    "expert_parallel_size",
     "expert_parameters",
     "is_expert_parameter",
     "layers_per_stage",

@@ -51,12 +51,14 @@ from graphpipe.weightgrad import _accumulate
 
 __all__ = [
     "EXPERT_ATTR",
+    "ExpertGroups",
     "MoEMLP",
     "Routing",
     "dropped_tokens",
     "expert_capacity",
     "expert_layout",
     "expert_parallel_groups",
+    "expert_parallel_size",
     "expert_parameters",
     "is_expert_parameter",
     "reset_dropped_tokens",
@@ -356,11 +358,33 @@ def expert_layout(dp_ranks: Sequence[int], ep: int) -> tuple[list[list[int]], li
     return blocks, strides
 
 
-def expert_parallel_groups(ep: int, dp_group: Any = None) -> tuple[Any, Any]:
+class ExpertGroups(NamedTuple):
+    """This rank's expert groups (``expert_parallel_groups``); pass it to the pipeline as
+    ``expert_groups`` next to its ``dp_group``."""
+
+    ep_group: Any
+    """The ranks that share one copy of all the experts (``build_stages(ep_group=...)``)."""
+    expert_dp_group: Any
+    """The ranks that hold the same experts (one per ep group of the dp group)."""
+
+
+def expert_parallel_size(modules: Iterable[nn.Module] | nn.Module) -> int:
+    """The expert-parallel group size of the ``MoEMLP``s in ``modules`` (0: there are none);
+    ``ValueError`` when they differ."""
+    sizes = {m.ep_size for mod in _modules(modules) for m in mod.modules() if isinstance(m, MoEMLP)}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the MoE layers are sharded over groups of different sizes {sorted(sizes)}"
+        )
+    return sizes.pop() if sizes else 0
+
+
+def expert_parallel_groups(ep: int, dp_group: Any = None) -> ExpertGroups:
     """``(ep_group, expert_dp_group)`` of this rank, carved out of ``dp_group`` (default: the
     world) as ``expert_layout`` says. Collective over the world: every process calls it, with
     the same ``ep``, and all data-parallel groups (of every pipeline position) are split.
 
+    ``Pipeline(..., dp_group=dp_group, expert_groups=...)`` applies the rule below.
     The contract with data-parallel gradient averaging over ``dp_group`` (size ``D``):
     non-expert parameters are averaged over ``dp_group`` (sum / ``D``) as usual; an expert
     parameter (``is_expert_parameter``) must **not** be: its gradient is summed over
@@ -368,7 +392,9 @@ def expert_parallel_groups(ep: int, dp_group: Any = None) -> tuple[Any, Any]:
     ``D`` (not by ``D / ep``: each copy already holds the sum over its ``ep`` group's
     replicas). Likewise the initial broadcast that makes replicas equal must skip expert
     parameters, or broadcast them over ``expert_dp_group`` only. With ``ep = D`` the
-    expert-data-parallel groups have one rank: divide by ``D``, communicate nothing.
+    expert-data-parallel groups have one rank: divide by ``D``, communicate nothing. A global
+    gradient norm adds the experts' share over ``ep_group`` (each rank holds ``E / ep`` of
+    them) before summing over the pipeline.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("expert_parallel_groups needs torch.distributed to be initialized")
@@ -388,4 +414,4 @@ def expert_parallel_groups(ep: int, dp_group: Any = None) -> tuple[Any, Any]:
                 ep_group = g
             elif me in members:
                 edp_group = g
-    return ep_group, edp_group
+    return ExpertGroups(ep_group, edp_group)
