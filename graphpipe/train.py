@@ -126,7 +126,8 @@ def _add_moe_options(p: argparse.ArgumentParser) -> None:
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel ranks, carved out of the data-parallel ones: needs --dp (default 1)",
+        help="expert-parallel ranks: each MoE block's experts are sharded over --ep "
+        "replicas, so --ep must divide --dp (default 1)",
     )
 
 
@@ -139,13 +140,9 @@ def _check_moe(args: argparse.Namespace) -> str | None:
         return f"--capacity-factor must be > 0, got {args.capacity_factor}"
     if args.ep < 1 or (args.experts and args.experts % args.ep):
         return f"--ep must be >= 1 and divide --experts {args.experts}, got {args.ep}"
-    if args.ep > 1:
-        # The ep group is carved out of the data-parallel group (graphpipe.models.
-        # expert_parallel_groups); wiring it needs --dp (issue 12) in build_rank.
-        return (
-            f"--ep {args.ep} needs data parallelism (--dp, issue 12), which this build lacks: "
-            "the expert-parallel group is carved out of the data-parallel one; use --ep 1"
-        )
+    dp = getattr(args, "dp", 1)
+    if dp % args.ep:  # the ep groups are carved out of the data-parallel group
+        return f"--ep {args.ep} must divide --dp {dp} (experts are sharded across replicas)"
     return None
 
 
@@ -250,6 +247,7 @@ def build_rank(
     dp = opts.get("dp", 1)
     n, d, p = world // dp, rank // (world // dp), rank % (world // dp)
     groups = _mesh_groups(device, dp, n) if dp > 1 else {}
+    ep_group = _expert_groups(opts, groups)
     if opts.get("microbatches") is None:
         opts["microbatches"] = 4 * n
     cfg = LlamaConfig(
@@ -260,7 +258,7 @@ def build_rank(
         use_kernels=not opts["no_kernels"],
         **_moe_config(opts),
     )
-    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device)
+    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device, ep_group=ep_group)
     mine = (stages[p], stages[2 * n - 1 - p])
     loss_fn = LlamaLoss(cfg.use_kernels)
     capture = False if opts["capture"] == "none" else opts["capture"]
@@ -289,6 +287,18 @@ def build_rank(
             flush=True,
         )
     return RankRun(pipe, opt, batches, opts, device)
+
+
+def _expert_groups(opts: dict, groups: dict) -> Any:
+    """With experts and data parallelism: ``groups["expert_groups"]`` (``--ep`` carved out of
+    the dp group, ``graphpipe.models.expert_parallel_groups``); returns the ep group."""
+    if not opts.get("experts") or "dp_group" not in groups:
+        return None
+    from .models import expert_parallel_groups
+
+    experts = expert_parallel_groups(opts.get("ep", 1), groups["dp_group"])
+    groups["expert_groups"] = experts
+    return experts.ep_group
 
 
 def _mesh_groups(device: torch.device, dp: int, n: int) -> dict:

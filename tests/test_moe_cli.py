@@ -33,6 +33,20 @@ def test_train_with_experts_reports_dropped_tokens_and_the_loss_falls(tmp_path) 
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 
+def test_train_dp2_ep2_experts_on_4_ranks_reports_drops_and_the_loss_falls(tmp_path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    proc = _train(
+        "--dp", "2", "--ep", "2", "--steps", "10", *SMALL, *MOE, "--metrics", str(metrics)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "2 ranks x 2 stages x 2 replicas" in proc.stderr
+    rows = _rows(metrics)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(0 <= r["dropped_tokens"] < 4096 for r in rows)
+    assert any(r["dropped_tokens"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+
+
 def test_train_with_experts_captured_reproduces_the_eager_run(tmp_path) -> None:
     runs = []
     for capture in ("none", "step"):
@@ -48,7 +62,11 @@ def test_train_with_experts_captured_reproduces_the_eager_run(tmp_path) -> None:
     [
         (("--experts", "4", "--top-k", "5"), "--top-k must be between 1 and --experts 4, got 5"),
         (("--experts", "4", "--ep", "3"), "--ep must be >= 1 and divide --experts 4, got 3"),
-        (("--experts", "4", "--ep", "2"), "--ep 2 needs data parallelism (--dp"),
+        (("--experts", "4", "--ep", "2"), "--ep 2 must divide --dp 1"),
+        (
+            ("--experts", "4", "--ep", "2", "--dp", "3", "--batch-size", "48"),
+            "--ep 2 must divide --dp 3",
+        ),
         (("--experts", "4", "--capacity-factor", "0"), "--capacity-factor must be > 0, got 0.0"),
         (("--experts", "-1"), "--experts must be >= 0, got -1"),
     ],
