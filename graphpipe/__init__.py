@@ -1,6 +1,6 @@
 """graphpipe: DualPipeV pipeline parallelism for PyTorch, captured into CUDA graphs."""
 
-from .errors import PipelineError
+from .errors import PipelineClosed, PipelineError
 from .ir import Action, Op, load_csv
 from .runtime import DualPipeV, Pipeline, clip_grad_norm_
 from .schedules import dualpipev
@@ -13,6 +13,7 @@ __all__ = [
     "DualPipeV",
     "Op",
     "Pipeline",
+    "PipelineClosed",
     "PipelineError",
     "clip_grad_norm_",
     "dualpipev",

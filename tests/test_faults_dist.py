@@ -157,7 +157,7 @@ def test_a_loss_fn_that_returns_no_tensor_fails_every_rank_by_name() -> None:
 
 def _dead_peer_case(rank: int, world: int) -> dict:
     import graphpipe
-    from graphpipe.runtime.faults import PipelineClosed
+    from graphpipe import PipelineClosed
 
     mine = local_stages(build_stages(2 * world), rank, world)
     pipe = graphpipe.DualPipeV(mine, num_microbatches=2 * world, loss_fn=mse, timeout=5)

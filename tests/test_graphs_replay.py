@@ -56,3 +56,37 @@ def test_a_failing_replay_closes_its_ranges_and_reset_drops_every_graph():
     graphs.reset()
     assert log == ["a", "reset a", "reset b"]
     assert graphs.graphs == [] and graphs.names == []
+
+
+def _captured_pipeline_with_fake_graphs(log: list):
+    import graphpipe
+    from tests.pipeline_models import batch, build_stages, local_stages, mse
+
+    pipe = graphpipe.DualPipeV(
+        local_stages(build_stages(2), 0, 1), num_microbatches=2, loss_fn=mse, capture=True
+    )
+    pipe.step(*batch(4))  # the warmup step: one capture (CPU: no graphs of its own)
+    (cap,) = pipe._capture.captures.values()
+    cap.graphs = _graphs(["g"], log)
+    return pipe
+
+
+def test_close_destroys_the_graphs_and_the_pipeline_captures_again_after_it():
+    from tests.pipeline_models import batch
+
+    log: list[str] = []
+    pipe = _captured_pipeline_with_fake_graphs(log)
+    pipe.close()
+    assert log == ["reset g"] and pipe._capture.captures == {}
+    assert pipe.step(*batch(4)).dim() == 0  # a new warmup step
+    assert len(pipe._capture.captures) == 1
+
+
+def test_a_pipeline_dropped_without_close_releases_its_graphs_when_collected():
+    import gc
+
+    log: list[str] = []
+    pipe = _captured_pipeline_with_fake_graphs(log)
+    del pipe
+    gc.collect()
+    assert log == ["reset g"]

@@ -146,7 +146,7 @@ def _posting_failed(t: _Transfer, e: BaseException) -> CommFailure:
 
 
 class _Transfer:
-    __slots__ = ("edge", "engine", "index", "msgs", "name", "peer_global", "peer_rank")
+    __slots__ = ("_cache", "edge", "engine", "index", "msgs", "name", "peer_global", "peer_rank")
 
     def __init__(self, engine: CommEngine, spec: Transfer, actions: Sequence[Action]) -> None:
         self.engine = engine
@@ -156,18 +156,26 @@ class _Transfer:
         self.peer_rank = spec.dst if spec.src == engine.rank else spec.src
         self.peer_global = engine.groups.global_ranks[self.peer_rank]
         self.name = " ".join(map(str, actions))
+        self._cache: tuple[int, list, bool] = (-1, [], False)
         engine.transfers.append(self)
 
+    def _derived(self) -> tuple[int, list, bool]:
+        """``(metadata epoch, metas, packable)``, recomputed when the metadata changed."""
+        engine = self.engine
+        if self._cache[0] != engine.epoch:
+            metas = [engine.metas[m.channel] for m in self.msgs]
+            flat = [m for ms in metas for m in ms]
+            packed = not engine.groups.nccl and len(flat) > 1 and len({m.dtype for m in flat}) == 1
+            self._cache = (engine.epoch, metas, packed)
+        return self._cache
+
     def metas(self) -> list[tuple[TensorMeta, ...]]:
-        return [self.engine.metas[m.channel] for m in self.msgs]
+        return self._derived()[1]
 
     def packable(self) -> bool:
         """Whether the messages travel as one flat packet (gloo, two or more tensors of one
         dtype); both ends tell the same from the channel metadata they both know."""
-        if self.engine.groups.nccl:
-            return False
-        metas = [m for ms in self.metas() for m in ms]
-        return len(metas) > 1 and len({m.dtype for m in metas}) == 1
+        return self._derived()[2]
 
 
 class SendTransfer(_Transfer):
@@ -242,7 +250,8 @@ class CommEngine:
         self.runner, self.rank, self.groups = runner, rank, groups
         self.device, self.ranges, self.staged = device, ranges, staged
         self.transfers: list[_Transfer] = []
-        self.metas: dict[Channel, tuple[TensorMeta, ...]] = {}
+        self._metas: dict[Channel, tuple[TensorMeta, ...]] = {}
+        self.epoch = 0  # bumped whenever the metadata may have changed (see _Transfer._derived)
         self.handshake = False
         # Per-action CUDA graphs: the capture pass records what each send sends, replays send
         # the recorded tensors (see graphs.py).
@@ -250,12 +259,26 @@ class CommEngine:
         self.in_flight: list[tuple[list, Tensors, int]] = []  # (works, tensors, peer rank)
         self._unresolved: dict[tuple[int, int], deque[RecvTransfer]] = {}
 
+    @property
+    def metas(self) -> dict[Channel, tuple[TensorMeta, ...]]:
+        """What crosses each channel: ``{(src stage, dst stage): metadata per tensor}``."""
+        return self._metas
+
+    @metas.setter
+    def metas(self, value: dict[Channel, tuple[TensorMeta, ...]]) -> None:
+        self._metas = value
+        self.epoch += 1
+
     # ------------------------------------------------------------- steps
     def begin(self, handshake: bool) -> None:
         self.handshake = handshake
+        if handshake:  # it writes new metadata as it goes
+            self.epoch += 1
 
     def finish(self) -> None:
         """Wait for every send of the step (inside ``wait sends``)."""
+        if self.handshake:
+            self.epoch += 1
         if not self.in_flight:
             return
         ranges = self.ranges

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from graphpipe.errors import PipelineError
+from graphpipe.errors import PipelineClosed, PipelineError
 
 __all__ = ["CommFailure", "FaultNotices", "Faults", "PipelineClosed", "add_note"]
 
@@ -45,10 +45,6 @@ class CommFailure(RuntimeError):
     def __init__(self, peer: int | None, what: str, cause: BaseException) -> None:
         super().__init__(f"{what}: {type(cause).__name__}: {cause}")
         self.peer, self.what, self.cause = peer, what, cause
-
-
-class PipelineClosed(PipelineError):
-    """The pipeline cannot run any more (a peer is gone, or NCCL state is lost)."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -410,7 +410,10 @@ class Pipeline:
     def _reduce_loss(self) -> torch.Tensor:
         """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
         if self.is_loss_rank:
-            torch.mean(self.runner.losses, dim=0, out=self._loss_out)
+            runner = self.runner
+            torch.stack(runner.loss_parts, out=runner.losses)
+            runner.loss_parts = [None] * self.num_microbatches
+            torch.mean(runner.losses, dim=0, out=self._loss_out)
             if self.data_parallel is not None:  # the mean over the replicas' loss ranks
                 self.data_parallel.average_loss(self._loss_out)
         if self.num_ranks == 1:
