@@ -3,7 +3,9 @@
 Every argument is checked before any rank starts (a bad one is a one-line error, exit status
 2). Rank 0 shows a progress bar (loss, tokens/s, step time, ETA, total time at the end) and
 writes ``--metrics`` as JSON lines: ``{"step", "loss", "step_time_s", "tokens_per_s"}`` with
-the global step number. ``--checkpoint-dir`` saves the training state with
+the global step number, plus ``"dropped_tokens"`` with ``--experts`` (the (token, expert)
+assignments past capacity in the step, over every MoE block of every rank; the loss then
+includes the load-balancing term). ``--checkpoint-dir`` saves the training state with
 ``graphpipe.checkpoint``; ``--resume`` continues from the newest complete checkpoint there, bit
 for bit as if the run had not stopped.
 
@@ -51,6 +53,10 @@ _RESUME_MUST_MATCH = (
     "dtype",
     "no_kernels",
     "dp",
+    "experts",
+    "top_k",
+    "capacity_factor",
+    "ep",
 )
 
 
@@ -268,6 +274,54 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
     )
+    _add_moe_options(p)
+
+
+def _add_moe_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument(
+        "--experts", type=int, default=0, help="experts per MoE block; 0: dense (default 0)"
+    )
+    g.add_argument("--top-k", type=int, default=1, help="experts per token (default 1)")
+    g.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.25,
+        help="slots per expert = ceil(C * tokens * k / experts) (default 1.25)",
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: each MoE block's experts are sharded over --ep "
+        "replicas, so --ep must divide --dp (default 1)",
+    )
+
+
+def _check_moe(args: argparse.Namespace) -> str | None:
+    if args.experts < 0:
+        return f"--experts must be >= 0, got {args.experts}"
+    if args.top_k < 1 or (args.experts and args.top_k > args.experts):
+        return f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}"
+    if not args.capacity_factor > 0:
+        return f"--capacity-factor must be > 0, got {args.capacity_factor}"
+    if args.ep < 1 or (args.experts and args.experts % args.ep):
+        return f"--ep must be >= 1 and divide --experts {args.experts}, got {args.ep}"
+    dp = getattr(args, "dp", 1)
+    if dp % args.ep:  # the ep groups are carved out of the data-parallel group
+        return f"--ep {args.ep} must divide --dp {dp} (experts are sharded across replicas)"
+    return None
+
+
+def _moe_config(opts: dict) -> dict:
+    """The ``LlamaConfig`` fields of the MoE options (none for a dense run)."""
+    if not opts.get("experts"):
+        return {}
+    return {
+        "num_experts": opts["experts"],
+        "top_k": opts["top_k"],
+        "capacity_factor": opts["capacity_factor"],
+    }
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -317,7 +371,7 @@ def _check(args: argparse.Namespace) -> str | None:
         )
     if not (math.isfinite(args.lr) and args.lr > 0):
         return f"--lr must be a positive number, got {args.lr}"
-    problem = _check_data(args) or _check_device(args)
+    problem = _check_data(args) or _check_device(args) or _check_moe(args)
     if problem is not None:
         return problem
     args.microbatches, args.layers = m, layers
@@ -519,6 +573,7 @@ def build_rank(
     dp = opts.get("dp", 1)
     n, d, p = world // dp, rank // (world // dp), rank % (world // dp)
     groups = _mesh_groups(device, dp, n) if dp > 1 else {}
+    ep_group = _expert_groups(opts, groups)
     if opts.get("microbatches") is None:
         opts["microbatches"] = default_microbatches(n, opts["batch_size"] // dp) or 4 * n
     if opts.get("layers") is None:
@@ -529,8 +584,9 @@ def build_rank(
         n_heads=opts["heads"],
         max_seq_len=opts["seq_len"],
         use_kernels=not opts["no_kernels"],
+        **_moe_config(opts),
     )
-    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device)
+    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device, ep_group=ep_group)
     mine = {p: stages[p], 2 * n - 1 - p: stages[2 * n - 1 - p]}
     loss_fn = LlamaLoss(cfg.use_kernels)
     capture = False if opts["capture"] == "none" else opts["capture"]
@@ -557,6 +613,18 @@ def build_rank(
             flush=True,
         )
     return RankRun(pipe, opt, loader, opts, device, stages=mine, share=(d, dp))
+
+
+def _expert_groups(opts: dict, groups: dict) -> Any:
+    """With experts and data parallelism: ``groups["expert_groups"]`` (``--ep`` carved out of
+    the dp group, ``graphpipe.models.expert_parallel_groups``); returns the ep group."""
+    if not opts.get("experts") or "dp_group" not in groups:
+        return None
+    from .models import expert_parallel_groups
+
+    experts = expert_parallel_groups(opts.get("ep", 1), groups["dp_group"])
+    groups["expert_groups"] = experts
+    return experts.ep_group
 
 
 def _mesh_groups(device: torch.device, dp: int, n: int) -> dict:
@@ -597,6 +665,30 @@ def _open_metrics(path: str, resumed_step: int) -> TextIO:
     return open(path, "a")
 
 
+class _DroppedTokens:
+    """The MoE blocks' dropped-token counters of this rank's stages: zeroed before each step
+    (in place, so a captured step keeps counting into them), summed on the device over the
+    step and over all ranks by one all-reduce, read on the host once per step."""
+
+    def __init__(self, modules: Any, device: torch.device) -> None:
+        self.modules, self.device, self.total = modules, device, 0
+
+    def reset(self) -> None:
+        from .models import reset_dropped_tokens
+
+        reset_dropped_tokens(self.modules)
+
+    def gather(self) -> None:
+        import torch.distributed as dist
+
+        from .models import dropped_tokens
+
+        count = dropped_tokens(self.modules).to(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(count)
+        self.total = int(count)
+
+
 def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     from .checkpoint import load_checkpoint, save_checkpoint
 
@@ -619,10 +711,13 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
     progress = Progress(opts["steps"], first=start + 1) if rank == 0 else None
     out = _open_metrics(opts["metrics"], start) if rank == 0 and opts["metrics"] else None
     first = last = None
+    drops = _DroppedTokens(run.pipe.modules, device) if opts.get("experts") else None
     try:
         for step in range(start + 1, opts["steps"] + 1):
             _exit_for_test(rank, step)
             x, y = run.next_batch()
+            if drops is not None:
+                drops.reset()
             t0 = time.perf_counter()
             loss = run.step(x, y)
             if device.type == "cuda":
@@ -631,8 +726,12 @@ def _train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None
             value = float(loss)
             first = value if first is None else first
             last = value
+            if drops is not None and opts["metrics"]:
+                drops.gather()  # every rank: one all-reduce, read once on rank 0
             if out is not None:
                 rec = {"step": step, "loss": value, "step_time_s": dt, "tokens_per_s": tokens / dt}
+                if drops is not None:
+                    rec["dropped_tokens"] = drops.total
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
             if opts["checkpoint_dir"] and (step == opts["steps"] or (every and step % every == 0)):

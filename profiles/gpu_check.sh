@@ -16,6 +16,9 @@
 #                     a graphpipe/kernels link), so that graphpipe.kernels imports
 #   capture_llama     one-rank DualPipeV, capture="step"/"action" vs eager: residual MLP
 #                     (bitwise), built-in Llama with the Triton kernels in fp32 and bf16
+#   moe_capture       one-rank DualPipeV of the MoE Llama (its overlapped pairs through the
+#                     stage's hook), captured per step and per action vs eager; EP 2 over
+#                     NCCL when two GPUs are visible
 #   kernels_in_graph  each Triton kernel, fwd + bwd, captured in a CUDA graph vs its reference
 #   nccl_capture      one-rank NCCL process group, all_reduce captured in a graph, replayed
 #   action_ranges     torch.profiler trace: each action's range encloses its cudaGraphLaunch
@@ -84,6 +87,7 @@ pytest_check() { # pytest_check NAME WANT_S PATHS...
 check install 90 python3 profiles/gpu_summary.py install --repo "$repo" \
   --figures "$work/install.figures.json" --pip-timeout 75
 pytest_check capture_llama 150 tests/gpu/test_capture_gpu.py
+pytest_check moe_capture 60 tests/gpu/test_moe_capture_gpu.py
 pytest_check kernels_in_graph 60 tests/gpu/test_kernels_graph_gpu.py
 pytest_check nccl_capture 45 tests/gpu/test_nccl_capture_gpu.py
 pytest_check action_ranges 60 tests/gpu/test_action_ranges_gpu.py

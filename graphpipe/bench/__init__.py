@@ -65,6 +65,7 @@ from graphpipe.simulate import Costs
 
 from .measure import timed_step
 from .modes import MODE_DUALPIPE, MODE_EAGER, MODE_REPLAY, MODE_TORCH, MODES, Mode, build_modes
+from .moe import moe_main
 from .report import format_report
 from .synthetic import SYNTHETIC_COSTS, synthetic_main
 from .workloads import REGIME_CHOICES, MLPStage, TinyStage, Workload, host_workload, workloads
@@ -149,12 +150,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--regime",
-        choices=(*REGIME_CHOICES, "synthetic"),
+        choices=(*REGIME_CHOICES, "synthetic", "moe"),
         default="both",
         help="overhead: small hidden, many tiny micro-batches; compute: wide MLP; realistic: "
         "the built-in Llama; sweep: micro-batch sizes on CUDA; both: overhead + compute "
         "(+ sweep on CUDA); all: every regime but synthetic; synthetic: stages that sleep "
-        "--costs, against the dataflow ideal of --schedule (default both)",
+        "--costs, against the dataflow ideal of --schedule; moe: an MoE stage's overlapped "
+        "F&B pair against F then B, experts over --ranks (default both)",
     )
     p.add_argument(
         "--schedule",
@@ -223,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
     if args.regime == "synthetic":
         opts["schedules"] = sorted(SCHEDULES) if args.schedule == "all" else [args.schedule]
         launch(synthetic_main, args.ranks, args.device, opts)
+        return 0
+    if args.regime == "moe":
+        launch(moe_main, args.ranks, args.device, opts)
         return 0
     launch(bench_rank, args.ranks, args.device, opts)
     return 0

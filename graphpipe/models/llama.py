@@ -13,24 +13,45 @@ Every projection is a plain ``nn.Linear(bias=False)`` called as a module, which 
 runtime recognises the GEMMs whose weight gradients it may defer. With
 ``LlamaConfig.use_kernels`` the norms, the SwiGLU and the loss call ``graphpipe.kernels``;
 otherwise plain torch ops. ``graphpipe.kernels`` is imported only when it is asked for.
+
+**Mixture of experts.** With ``LlamaConfig(num_experts=E, top_k=k, capacity_factor=c)`` every
+``moe_every``-th block's MLP is an ``MoEMLP`` (``graphpipe.models.moe``) and the stages are
+``LlamaMoEStage``: they carry the load-balancing loss next to the hidden states, so
+
+* stage 0 takes tokens ``[B, T]`` and returns ``(hidden [B, T, H], aux [1])``;
+* middle stages map ``(hidden, aux)`` to ``(hidden, aux)``;
+* the last stage returns ``(logits [B, T, V], aux [1])``,
+
+where ``aux`` is the sum of ``aux_loss_coef * load-balancing loss`` of the MoE blocks so far.
+``LlamaLoss`` adds it to the cross-entropy, so its gradient reaches every router through the
+pipeline's ordinary backward, scaled like the language-model loss (by ``1/M`` and by a
+``GradScaler``); it costs one ``[1]`` tensor per stage edge, which rides in the same gloo
+packet as the hidden states.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphpipe.models.moe import MoEMLP, reset_dropped_tokens
+from graphpipe.models.overlap import Exchange, Tape, drain, overlapped_pair
+
 __all__ = [
     "LlamaBlock",
     "LlamaConfig",
     "LlamaLoss",
+    "LlamaMoEStage",
     "LlamaStage",
+    "MoEBlock",
     "RMSNorm",
     "build_model",
     "build_stages",
@@ -65,6 +86,18 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
 
 
+def _check_finite(name: str, value: object, positive: bool) -> None:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        sign = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a {sign} finite number, got {name}={value!r}")
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape and numerics of the model. Defaults give a ~0.2M-parameter byte-level model."""
@@ -87,6 +120,20 @@ class LlamaConfig:
     """Base of the rotary embedding frequencies."""
     use_kernels: bool = True
     """Norms, SwiGLU and loss through ``graphpipe.kernels`` (else plain torch ops)."""
+    num_experts: int = 0
+    """Experts per MoE block; 0: a dense model (every block has a SwiGLU MLP)."""
+    top_k: int = 1
+    """Experts each token is routed to (softmax top-k, weighted by the router probability)."""
+    capacity_factor: float = 1.25
+    """Slots per expert: ``ceil(capacity_factor * tokens * top_k / num_experts)`` (at most the
+    micro-batch's token count); assignments beyond are dropped."""
+    moe_every: int = 1
+    """With experts: blocks ``moe_every - 1``, ``2 * moe_every - 1``, ... are MoE blocks (1:
+    all of them); the others keep their dense MLP."""
+    expert_ffn_hidden: int | None = None
+    """Width of each expert's SwiGLU; None: ``ffn_dim``."""
+    aux_loss_coef: float = 0.01
+    """Weight of each MoE block's load-balancing loss in the training loss."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "max_seq_len"):
@@ -104,16 +151,25 @@ class LlamaConfig:
                 f"hidden={self.hidden}, n_heads={self.n_heads} (head_dim={self.head_dim})"
             )
         for name in ("eps", "rope_theta"):
-            value = getattr(self, name)
-            if (
-                not isinstance(value, (int, float))
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive finite number, got {name}={value!r}")
+            _check_finite(name, getattr(self, name), positive=True)
         if not isinstance(self.use_kernels, bool):
             raise ValueError(f"use_kernels must be a bool, got use_kernels={self.use_kernels!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        e = self.num_experts
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+            raise ValueError(f"num_experts must be an int >= 0, got num_experts={e!r}")
+        _check_positive_int("moe_every", self.moe_every)
+        if self.expert_ffn_hidden is not None:
+            _check_positive_int("expert_ffn_hidden", self.expert_ffn_hidden)
+        _check_positive_int("top_k", self.top_k)
+        if e and self.top_k > e:
+            raise ValueError(
+                f"top_k must be <= num_experts, got top_k={self.top_k}, num_experts={e}"
+            )
+        _check_finite("capacity_factor", self.capacity_factor, positive=True)
+        _check_finite("aux_loss_coef", self.aux_loss_coef, positive=False)
 
     @property
     def head_dim(self) -> int:
@@ -126,6 +182,15 @@ class LlamaConfig:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
         return max(16, 16 * round(8 * self.hidden / 3 / 16))
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """The SwiGLU width of each expert: ``expert_ffn_hidden`` or ``ffn_dim``."""
+        return self.expert_ffn_hidden if self.expert_ffn_hidden is not None else self.ffn_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (global) has experts instead of a dense MLP."""
+        return self.num_experts > 0 and index % self.moe_every == self.moe_every - 1
 
 
 # --------------------------------------------------------------------------- functional ops
@@ -169,13 +234,21 @@ def llama_loss(
 
 @dataclass(frozen=True)
 class LlamaLoss:
-    """``llama_loss`` as a picklable callable ``loss(logits, labels) -> scalar``."""
+    """``llama_loss`` as a picklable callable ``loss(logits, labels) -> scalar``; for an MoE
+    model's ``(logits, aux)`` output, the cross-entropy plus ``aux``."""
 
     use_kernels: bool = True
     """Use ``graphpipe.kernels.cross_entropy`` (else ``F.cross_entropy``)."""
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of ``logits`` ``[B, T, V]`` against ``labels`` ``[B, T]``."""
+    def __call__(
+        self, logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean cross-entropy of ``logits`` ``[B, T, V]`` against ``labels`` ``[B, T]`` (plus
+        the carried load-balancing loss ``aux`` ``[1]`` when given ``(logits, aux)``)."""
+        if isinstance(logits, tuple):
+            logits, aux = logits
+            ce = llama_loss(logits, labels, use_kernels=self.use_kernels)
+            return ce + aux.sum().to(ce.dtype)
         return llama_loss(logits, labels, use_kernels=self.use_kernels)
 
 
@@ -263,12 +336,27 @@ class LlamaBlock(nn.Module):
     (``RMSNorm.add_and_norm``). ``residual=None`` means the input is ``delta`` alone.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden, config.eps, config.use_kernels)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden, config.eps, config.use_kernels)
-        self.mlp = MLP(config)
+        self.mlp = mlp if mlp is not None else MLP(config)
+
+    def attend(
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block up to its MLP: ``(mlp_norm(h), h)`` with ``h = x + attn(norm(x))``."""
+        if residual is None:
+            residual = delta
+            normed = self.attn_norm(delta)
+        else:
+            normed, residual = self.attn_norm.add_and_norm(delta, residual)
+        return self.mlp_norm.add_and_norm(self.attn(normed, cos, sin), residual)
 
     def forward(
         self,
@@ -278,13 +366,44 @@ class LlamaBlock(nn.Module):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(delta, residual)`` whose sum is the block's output."""
-        if residual is None:
-            residual = delta
-            normed = self.attn_norm(delta)
-        else:
-            normed, residual = self.attn_norm.add_and_norm(delta, residual)
-        normed, residual = self.mlp_norm.add_and_norm(self.attn(normed, cos, sin), residual)
+        normed, residual = self.attend(delta, residual, cos, sin)
         return self.mlp(normed), residual
+
+
+class MoEBlock(LlamaBlock):
+    """A decoder block whose MLP is an ``MoEMLP`` (experts over ``ep_group``).
+
+    ``LlamaMoEStage`` runs it in chunks (``attend``, then the MoE parts); ``forward`` runs it
+    whole and also returns the block's scaled load-balancing loss.
+    """
+
+    mlp: MoEMLP
+
+    def __init__(self, config: LlamaConfig, ep_group: Any = None) -> None:
+        swiglu = functools.partial(_swiglu, use_kernels=config.use_kernels)
+        moe = MoEMLP(
+            config.hidden,
+            config.expert_ffn_dim,
+            config.num_experts,
+            config.top_k,
+            config.capacity_factor,
+            config.aux_loss_coef,
+            swiglu,
+            ep_group,
+        )
+        super().__init__(config, moe)
+
+    def forward(  # type: ignore[override]
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(delta, residual, aux)``: the block's output is ``delta + residual``."""
+        normed, residual = self.attend(delta, residual, cos, sin)
+        out, aux = self.mlp(normed)
+        return out, residual, aux
 
 
 class LlamaStage(nn.Module):
@@ -333,6 +452,14 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens ``[B, T]`` or hidden ``[B, T, H]`` in; hidden or logits ``[B, T, V]`` out."""
+        x, cos, sin = self._enter(x)
+        delta, residual = x, None
+        for layer in self.layers:
+            delta, residual = layer(delta, residual, cos, sin)
+        return self._leave(delta, residual)
+
+    def _enter(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embedding (stage 0) and the rotary tables: ``(hidden, cos, sin)``."""
         if self.embed is not None:
             x = self.embed(x)
         seq_len = x.shape[1]
@@ -340,11 +467,10 @@ class LlamaStage(nn.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.config.max_seq_len}"
             )
-        cos = self.rope_cos[:seq_len].to(x.dtype)
-        sin = self.rope_sin[:seq_len].to(x.dtype)
-        delta, residual = x, None
-        for layer in self.layers:
-            delta, residual = layer(delta, residual, cos, sin)
+        return x, self.rope_cos[:seq_len].to(x.dtype), self.rope_sin[:seq_len].to(x.dtype)
+
+    def _leave(self, delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The stage's output from the residual stream: logits (last stage) or hidden."""
         if self.norm is not None and self.head is not None:
             if residual is None:
                 return self.head(self.norm(delta))
@@ -354,6 +480,96 @@ class LlamaStage(nn.Module):
     def extra_repr(self) -> str:
         last = self.first_layer + len(self.layers)
         return f"layers {self.first_layer}..{last - 1}" if self.layers else "no layers"
+
+
+class LlamaMoEStage(LlamaStage):
+    """A ``LlamaStage`` with MoE blocks, whose forward and backward run in chunks.
+
+    ``forward(x, aux=None)`` takes tokens (stage 0) or ``(hidden, aux)`` and returns
+    ``(hidden or logits, aux)`` (see the module docstring). Under grad mode the forward is
+    chunked at every all-to-all (``graphpipe.models.overlap``): attention, router and
+    dispatch layout; dispatch; experts; combine; the rest up to the next MoE block's dispatch
+    (or the stage's end). The runtime's plain ``B`` / ``I`` backward runs those chunks in
+    reverse; ``overlapped_forward_backward`` interleaves one micro-batch's forward chunks with
+    another's backward chunks so that each all-to-all is in flight while the other
+    micro-batch computes, with the same results as the F then the B.
+
+    events: None, or a list that receives a ``MoEEvent`` at every chunk, exchange issue and
+        exchange wait (share one list between a rank's stages to see pairs whole).
+    chunked: False runs forward and backward unchunked (one autograd graph; the reference
+        for the chunked path).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list | None = None
+        self.chunked = True
+        self._driving = False
+        self._reached: Tape | None = None
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, aux: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens or ``(hidden, aux)`` in; ``(hidden or logits, aux)`` out."""
+        tape = Tape(self) if self.chunked and torch.is_grad_enabled() else None
+        return drain(self.forward_steps(tape, x, aux))
+
+    def forward_steps(
+        self, tape: Tape | None, x: torch.Tensor, aux: torch.Tensor | None = None
+    ) -> Generator[Exchange, None, tuple[torch.Tensor, torch.Tensor]]:
+        """The forward as a generator that yields each posted exchange (with ``tape``) and
+        returns the stage's outputs; ``tape=None``: unchunked, blocking exchanges."""
+        x, cos, sin = self._enter(x)
+        if aux is None:
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            aux = torch.zeros(1, dtype=dtype, device=x.device)
+        delta, residual, last = x, None, -1
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, MoEBlock):
+                delta, residual = layer(delta, residual, cos, sin)
+                continue
+            index, moe = self.first_layer + i, layer.mlp
+            normed, residual = layer.attend(delta, residual, cos, sin)
+            shape = normed.shape
+            buf, routing = moe.route(normed.reshape(-1, shape[-1]))
+            aux, weights = aux + routing.aux, routing.weights
+            if tape is None:
+                back = moe.exchange(moe.experts(moe.exchange(moe.to_ranks(buf))))
+            else:
+                send, residual, weights, aux = tape.cut(
+                    "attn", index, moe.to_ranks(buf), residual, weights, aux
+                )
+                ex = tape.exchange("dispatch", index, send, moe.ep_group)
+                yield ex
+                (y,) = tape.cut("experts", index, moe.experts(tape.received(send, ex)))
+                ex = tape.exchange("combine", index, y, moe.ep_group)
+                yield ex
+                back = tape.received(y, ex)
+            routing = routing._replace(weights=weights)
+            delta = moe.combine(back.view(buf.shape), routing).view(shape)
+            last = index
+        outputs = (self._leave(delta, residual), aux)
+        if tape is None:
+            return outputs
+        return tape.end("post", last, outputs)
+
+    def chunked_forward(
+        self, x: torch.Tensor, aux: torch.Tensor | None = None
+    ) -> Generator[Exchange, None, tuple[torch.Tensor, torch.Tensor]]:
+        """``forward_steps`` on a new tape."""
+        return self.forward_steps(Tape(self), x, aux)
+
+    @staticmethod
+    def overlapped_forward_backward(
+        fmod: LlamaMoEStage,
+        inputs: tuple[torch.Tensor, ...],
+        bmod: LlamaMoEStage,
+        outputs: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """graphpipe's F&B hook: ``bmod``'s backward of ``outputs`` (with ``grads``)
+        interleaved with ``fmod``'s forward of ``inputs``; returns the forward's outputs."""
+        return overlapped_pair(fmod, fmod.chunked_forward, inputs, bmod, outputs, grads)
 
 
 # --------------------------------------------------------------------------- building
@@ -399,12 +615,25 @@ def _init_parameters(
             value = torch.randn(param.shape, generator=gen) * std
         param.copy_(value)
 
+    def fill_experts(param: torch.Tensor, moe: MoEMLP, std: float) -> None:
+        # Every expert is drawn, whatever this rank holds: the weights do not depend on ep.
+        value = torch.randn((moe.num_experts, *param.shape[1:]), generator=gen) * std
+        param.copy_(value[moe.first_expert : moe.first_expert + moe.local_experts])
+
     fill(embed.weight, _INIT_STD)
     for block in blocks:
         fill(block.attn_norm.weight, None)
         fill(block.attn.qkv.weight, _INIT_STD)
         fill(block.attn.proj.weight, out_std)
         fill(block.mlp_norm.weight, None)
+        if isinstance(block, MoEBlock):
+            moe = block.mlp
+            fill(moe.router.weight, _INIT_STD)
+            fill_experts(moe.w_gate, moe, _INIT_STD)
+            fill_experts(moe.w_up, moe, _INIT_STD)
+            fill_experts(moe.w_down, moe, out_std)
+            moe.mark_experts()
+            continue
         fill(block.mlp.gate.weight, _INIT_STD)
         fill(block.mlp.up.weight, _INIT_STD)
         fill(block.mlp.down.weight, out_std)
@@ -418,8 +647,13 @@ def build_stages(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    ep_group: Any = None,
 ) -> list[LlamaStage]:
     """Build the model and cut it into ``num_stages`` ``LlamaStage`` modules.
+
+    With ``config.num_experts`` the stages are ``LlamaMoEStage`` and each MoE block holds this
+    rank's ``num_experts / ep`` experts of the expert-parallel ``ep_group`` (size ``ep``; None:
+    all experts, local); the expert weights do not depend on ``ep`` either.
 
     The weights depend only on ``config`` and ``seed``, not on ``num_stages`` or ``dtype``
     (they are drawn in float32 in a fixed order, then cast), and building does not touch the
@@ -437,20 +671,25 @@ def build_stages(
 
     with torch.device("meta"):  # no memory, no global-RNG draws for the default inits
         embed = nn.Embedding(config.vocab_size, config.hidden)
-        blocks = [LlamaBlock(config) for _ in range(config.n_layers)]
+        blocks = [
+            MoEBlock(config, ep_group) if config.is_moe_layer(i) else LlamaBlock(config)
+            for i in range(config.n_layers)
+        ]
         norm = RMSNorm(config.hidden, config.eps, config.use_kernels)
     for module in (embed, *blocks, norm):
         module.to_empty(device=device)
         module.to(dtype=dtype)
     _init_parameters(embed, blocks, norm, config, seed)
+    reset_dropped_tokens(blocks)  # to_empty left the counters uninitialized
     head = nn.Linear(config.hidden, config.vocab_size, bias=False, device="meta")
     head.weight = embed.weight  # tied: one Parameter shared by the first and last stage
 
     stages: list[LlamaStage] = []
     start = 0
+    kind = LlamaMoEStage if config.num_experts else LlamaStage
     for index, count in enumerate(counts):
         last = index == num_stages - 1
-        stage = LlamaStage(
+        stage = kind(
             config,
             blocks[start : start + count],
             first_layer=start,
@@ -471,9 +710,11 @@ def build_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    ep_group: Any = None,
 ) -> LlamaStage:
-    """The unsplit model: ``build_stages(config, 1, ...)[0]`` (tokens in, logits out)."""
-    return build_stages(config, 1, seed=seed, dtype=dtype, device=device)[0]
+    """The unsplit model: ``build_stages(config, 1, ...)[0]`` (tokens in, logits out, or
+    ``(logits, aux)`` with experts)."""
+    return build_stages(config, 1, seed=seed, dtype=dtype, device=device, ep_group=ep_group)[0]
 
 
 def unique_parameters(stages: Iterable[nn.Module] | nn.Module) -> list[nn.Parameter]:

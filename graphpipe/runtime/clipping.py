@@ -10,6 +10,9 @@ parameter of the whole model, each counted once, and scales them all by
   on exactly one pipeline rank, and after the data-parallel reduction of the step
   (``data_parallel``) every replica holds the same gradients, so reducing over the replicas
   too would count each parameter ``D`` times (and every replica computes the same norm);
+* expert parameters (mixture of experts) differ across the pipeline's ``expert_groups.
+  ep_group``, each rank holding ``E / ep`` of every MoE block's experts: their share is
+  reduced over that group first;
 * the scale is a tensor, applied with no host synchronization (no ``.item()``, no branch on
   the norm), so it can run inside a captured step.
 
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from graphpipe.models.moe import is_expert_parameter
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -54,18 +59,25 @@ def clip_grad_norm_(pipe: Pipeline, max_norm: float, norm_type: float = 2.0) -> 
     pipeline instead (the norm is then ``pipe.grad_norm``).
     """
     max_norm, norm_type = check_clip_args(max_norm, norm_type)
-    grads = [p.grad for p in pipe._params() if p.grad is not None]
+    params = [p for p in pipe._params() if p.grad is not None]
+    grads = [p.grad for p in params]
     dtype = torch.float32
     for g in grads:
         dtype = torch.promote_types(dtype, g.dtype)
-    if grads:
-        norms = [n.to(dtype) for n in torch._foreach_norm(grads, norm_type)]
-        stacked = torch.stack(norms)
-        local = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
+    inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    ep = pipe.expert_groups.ep_group if pipe.expert_groups is not None else None
+    if ep is not None and dist.get_world_size(ep) > 1:
+        experts = [p.grad for p in params if is_expert_parameter(p)]
+        share = _partial(experts, norm_type, dtype, pipe.device)
+        dist.all_reduce(share, op=op, group=ep)  # every rank's share of the experts
+        rest = _partial(
+            [p.grad for p in params if not is_expert_parameter(p)], norm_type, dtype, pipe.device
+        )
+        local = torch.maximum(rest, share) if inf else rest + share
     else:
-        local = torch.zeros((), dtype=dtype, device=pipe.device)
+        local = _partial(grads, norm_type, dtype, pipe.device)
     if pipe.num_ranks > 1:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(local, op=op, group=pipe.group)
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -75,6 +87,16 @@ def clip_grad_norm_(pipe: Pipeline, max_norm: float, norm_type: float = 2.0) -> 
     for dt, gs in by_dtype.items():
         torch._foreach_mul_(gs, scale.to(dt))
     return total
+
+
+def _partial(
+    grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``sum |g|^p`` over ``grads`` (``max |g|`` for ``inf``), 0-dim ``dtype``."""
+    if not grads:
+        return torch.zeros((), dtype=dtype, device=device)
+    stacked = torch.stack([n.to(dtype) for n in torch._foreach_norm(grads, norm_type)])
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
 
 
 def clip_in_step(pipe: Pipeline, max_norm: float, norm_type: float) -> None:

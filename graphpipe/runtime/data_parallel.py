@@ -26,6 +26,15 @@ Rank layout with ``init_device_mesh(device, (D, N), mesh_dim_names=("dp", "pp"))
 rank ``d * N + p`` is pipeline rank ``p`` of replica ``d``; ``mesh.get_group("pp")`` is its
 pipeline and ``mesh.get_group("dp")`` its data-parallel group.
 
+**Expert parameters** (mixture of experts, ``graphpipe.models.moe``: marked
+``param._graphpipe_expert``) differ between the ranks of an expert-parallel group, so they are
+not averaged over ``dp_group``: with ``expert_groups`` (``expert_parallel_groups(ep,
+dp_group)``) their gradients are summed over its ``expert_dp_group`` (the replicas that hold
+the same experts; each copy already sums its ep group's replicas) and divided by the dp size,
+and the initial broadcast sends them over ``expert_dp_group`` only. Without
+``expert_groups`` (the pipeline allows it only when no experts are sharded: every rank holds
+all of them) they are averaged over ``dp_group`` like the rest.
+
 Stages wrapped in ``DistributedDataParallel`` or sharded with FSDP are refused
 (``check_stage_wrappers``): their hooks would fire per micro-batch and the deferred weight
 gradients bypass them (DDP replicas then drift apart with no error; FSDP2 fails inside the
@@ -45,6 +54,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from graphpipe.models.moe import is_expert_parameter
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -136,14 +147,22 @@ class DataParallel:
     ``DataParallel(pipe, dp_group)`` checks the groups, broadcasts the stages' state from the
     first replica and hooks the reductions into ``pipe``'s training program (see the module
     doc). ``bucket_cap_mb``: the largest bucket in MiB (a larger parameter is its own bucket).
+    ``expert_groups``: the ``ExpertGroups`` of stages with expert parameters.
     """
 
-    def __init__(self, pipe: Pipeline, dp_group: Any, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        pipe: Pipeline,
+        dp_group: Any,
+        bucket_cap_mb: float = 25.0,
+        expert_groups: Any = None,
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("dp_group was given but torch.distributed is not initialized")
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.ranges = pipe.ranges
+        self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
         self._check_layout(pipe)
         self._sync_state(pipe.modules)
         program = pipe._train
@@ -158,18 +177,22 @@ class DataParallel:
                     owner.pop(id(p), None)
                     owner[id(p)] = (li, p)
         cap = int(bucket_cap_mb * 2**20)
-        self.buckets: dict[int, list[_Bucket]] = {li: [] for li in at}
+        self.buckets: dict[int, list[_Bucket]] = {}
+        self.expert_buckets: dict[int, list[_Bucket]] = {}
         by_stage: dict[int, list[nn.Parameter]] = {li: [] for li in at}
+        experts: dict[int, list[nn.Parameter]] = {li: [] for li in at}
+        apart = self.expert_group is not None  # else experts are replicated: like the rest
         for li, p in owner.values():
-            by_stage[li].append(p)
-        for li, params in by_stage.items():
-            self.buckets[li] = _bucketize(params, cap)
+            (experts if apart and is_expert_parameter(p) else by_stage)[li].append(p)
+        for li in at:
+            self.buckets[li] = _bucketize(by_stage[li], cap)
+            self.expert_buckets[li] = _bucketize(experts[li], cap)
         self._in_flight: list[_Bucket] = []
         self._first: int | None = None
         if self.size == 1:
             return  # nothing to average
         for li in sorted(at, key=lambda li: (at[li], li)):
-            if self.buckets[li]:
+            if self.buckets[li] or self.expert_buckets[li]:
                 self._first = li if self._first is None else self._first
                 program.call_after(at[li], functools.partial(self.start, li))
         program.append(waits=(self.wait,))
@@ -196,13 +219,19 @@ class DataParallel:
         if self.size == 1:
             return
         src = dist.get_global_rank(self.group, 0)
+        edp = self.expert_group
+        esrc = dist.get_global_rank(edp, 0) if edp is not None else None
         seen: set[int] = set()
         with torch.no_grad():
             for mod in modules:
                 for t in [*mod.parameters(), *mod.buffers()]:
-                    if id(t) not in seen:
-                        seen.add(id(t))
+                    if id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    if edp is None or not is_expert_parameter(t):
                         dist.broadcast(t.data, src=src, group=self.group)
+                    elif dist.get_world_size(edp) > 1:  # the replicas with the same experts
+                        dist.broadcast(t.data, src=esrc, group=edp)
 
     # ------------------------------------------------------------------- step
     def start(self, li: int) -> None:
@@ -213,6 +242,12 @@ class DataParallel:
             b.target = b.load()
             b.work = dist.all_reduce(b.target, group=self.group, async_op=True)
             self._in_flight.append(b)
+        edp = self.expert_group
+        for b in self.expert_buckets[li]:  # summed over the same experts' holders, / dp size
+            b.target = b.load()
+            if dist.get_world_size(edp) > 1:
+                b.work = dist.all_reduce(b.target, group=edp, async_op=True)
+            self._in_flight.append(b)
 
     def wait(self) -> None:
         """Wait for every posted reduction and write the averages into ``.grad``."""
@@ -222,7 +257,8 @@ class DataParallel:
         ranges.push("wait dp grads")
         try:
             for b in self._in_flight:
-                b.work.wait()
+                if b.work is not None:
+                    b.work.wait()
                 b.store(self.size)
         finally:
             self.abandon()

@@ -84,6 +84,11 @@ class Pipeline:
             step (``graphpipe.clip_grad_norm_``, after the data-parallel averaging, inside the
             captured step); the norm is then ``pipe.grad_norm``.
         clip_norm_type: the norm's p (default 2.0; ``float("inf")`` for the max norm).
+        expert_groups: for stages with mixture-of-experts layers whose experts are sharded
+            (``graphpipe.models.expert_parallel_groups(ep, dp_group)``): expert parameters
+            are averaged over its ``expert_dp_group`` instead of ``dp_group``, and a clipped
+            norm adds the experts of its ``ep_group``. Required with ``dp_group`` when the
+            stages hold expert parameters, and whenever their experts are sharded.
         timeout: seconds (or a ``timedelta``) a rank waits for a silent peer before it raises
             ``PipelineError`` naming it (a failing or killed peer is reported at once).
 
@@ -117,6 +122,7 @@ class Pipeline:
         defer_weight_grads: bool = True,
         clip_grad_norm: float | None = None,
         clip_norm_type: float = 2.0,
+        expert_groups: Any = None,
     ) -> None:
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
             raise TypeError(
@@ -196,7 +202,12 @@ class Pipeline:
             self.engine,
         )
         # Parts that run inside the training step as instructions of its program.
-        self.data_parallel = DataParallel(self, dp_group) if dp_group is not None else None
+        self.expert_groups = _check_expert_groups(self.modules, expert_groups)
+        self.data_parallel = (
+            DataParallel(self, dp_group, expert_groups=expert_groups)
+            if dp_group is not None
+            else None
+        )
         self.grad_norm: torch.Tensor | None = None
         self._clips = clip_grad_norm is not None
         if self._clips:
@@ -521,6 +532,29 @@ def _seconds(timeout: float | datetime.timedelta) -> float:
 
 def _float_dtype(module: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+def _check_expert_groups(modules: Sequence[nn.Module], expert_groups: Any) -> Any:
+    """``expert_groups`` (None, or ``(ep_group, expert_dp_group)``), checked against the
+    experts' own group size: sharded experts need it, and the sizes must agree."""
+    from graphpipe.models.moe import ExpertGroups, expert_parallel_size
+
+    ep = expert_parallel_size(modules)  # 0: no MoE layer on this rank
+    if expert_groups is None:
+        if ep > 1:
+            raise ValueError(
+                f"the stages' experts are sharded over an ep group of {ep} ranks: pass "
+                "expert_groups=graphpipe.models.expert_parallel_groups(ep, dp_group)"
+            )
+        return None
+    groups = ExpertGroups(*expert_groups)
+    size = dist.get_world_size(groups.ep_group) if groups.ep_group is not None else 1
+    if ep and size != ep:
+        raise ValueError(
+            f"expert_groups.ep_group has {size} ranks, but the stages' experts are sharded "
+            f"over {ep}"
+        )
+    return groups
 
 
 def as_tuple_out(o: Any) -> tuple:
