@@ -25,6 +25,10 @@ What one checkpoint ``ROOT/step-00000100`` holds (one DCP checkpoint, all ranks'
   ``flatten_optimizer_state_dict=True``: every entry, param groups included, is keyed by the
   parameter's name above, so ranks' optimizers never collide either (a tied parameter has
   one optimizer state).
+- Expert-parallel sharded experts (``graphpipe.models`` MoE blocks with an ``ep_group``):
+  their keys carry the experts they hold, ``...mlp.w_up[experts 2-3 of 4]``, so that the
+  shards of one expert-parallel group, which share parameter names, are all stored; the
+  replicas that hold the same experts store them once. Resuming needs the same ``ep``.
 - ``step``: the global step.
 - ``rank{r}.rng``: rank ``r``'s random number generator states: torch's CPU generator,
   every CUDA device's generator once CUDA is initialized, Python's ``random`` and NumPy's
@@ -178,6 +182,46 @@ def _optimizers(optimizer: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
     return tuple(optimizer)
 
 
+def _expert_shards(model: nn.ModuleDict) -> dict[str, str]:
+    """``{name: name with its shard}`` for every expert-parallel sharded parameter.
+
+    A module with ``ep_size > 1`` (``graphpipe.models.MoEMLP``) holds experts
+    ``first_expert .. first_expert + local_experts - 1`` of ``num_experts``; the replicas of
+    its expert-parallel group hold the others under the same names. DCP would take those for
+    copies of one tensor and keep one, so their keys name the experts they hold:
+    ``stage0.layers.1.mlp.w_up[experts 2-3 of 4]``.
+    """
+    out: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        if getattr(module, "ep_size", 1) <= 1:
+            continue
+        first, local = module.first_expert, module.local_experts
+        tag = f"[experts {first}-{first + local - 1} of {module.num_experts}]"
+        for name, param in module.named_parameters(recurse=False):
+            if getattr(param, "_graphpipe_expert", False):
+                fqn = f"{prefix}.{name}" if prefix else name
+                out[fqn] = fqn + tag
+    return out
+
+
+def _rename(d: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """``d`` with every key ``fqn`` or ``section.fqn.leaf`` (flattened optimizer state) whose
+    ``fqn`` is in ``names`` renamed to ``names[fqn]``."""
+    if not names:
+        return d
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if key in names:
+            key = names[key]
+        else:
+            section, _, rest = key.partition(".")
+            fqn, dot, leaf = rest.rpartition(".")
+            if fqn in names:
+                key = f"{section}.{names[fqn]}{dot}{leaf}"
+        out[key] = value
+    return out
+
+
 def _state(
     model: nn.ModuleDict,
     optimizers: tuple[torch.optim.Optimizer, ...],
@@ -189,6 +233,8 @@ def _state(
         msd, osd = get_state_dict(model, optimizers, options=_OPTIONS)
     else:
         msd, osd = get_model_state_dict(model, options=_OPTIONS), {}
+    shards = _expert_shards(model)
+    msd, osd = _rename(msd, shards), _rename(osd, shards)
     mine: dict[str, Any] = {"rng": _rng_bytes()}
     for name, obj in (extra or {}).items():
         if name == "rng" or not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -313,6 +359,8 @@ def load_checkpoint(
     state = _state(model, optimizers, rank, -1, extra)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, process_group=group, no_dist=not _distributed())
+    back = {v: k for k, v in _expert_shards(model).items()}
+    state["model"], state["optim"] = _rename(state["model"], back), _rename(state["optim"], back)
     if optimizers:
         set_state_dict(
             model,

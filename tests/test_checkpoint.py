@@ -207,3 +207,48 @@ def test_checkpoint_info_reads_the_marker_with_the_savers_meta(tmp_path: Path) -
         save_checkpoint(tmp_path, 8, stages, opt, meta={"x": object()})
     with pytest.raises(FileNotFoundError, match="step-00000008"):
         checkpoint_info(checkpoint_path(tmp_path, 8))
+
+
+def _expert_shards_case(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from graphpipe.models import build_stages as build
+
+    cfg = LlamaConfig(
+        hidden=16, n_layers=2, n_heads=2, max_seq_len=8, use_kernels=False, num_experts=4
+    )
+    # Two replicas of a one-rank pipeline, the experts sharded over both (ep = 2).
+    stages = dict(enumerate(build(cfg, 2, seed=0, ep_group=dist.group.WORLD)))
+    moe = stages[0].layers[0].mlp
+    with torch.no_grad():
+        for p in stages[0].parameters():
+            p.add_(rank)  # the shards differ, and so do the replicated weights
+    opt = torch.optim.AdamW(unique_parameters(stages.values()), lr=1e-2)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.full_like(p, 1.0 + rank)
+    opt.step()
+    saved = moe.w_up.detach().clone()
+    saved_moment = opt.state[moe.w_up]["exp_avg"].clone()
+    path = save_checkpoint(root, 1, stages, opt)
+
+    fresh = dict(enumerate(build(cfg, 2, seed=0, ep_group=dist.group.WORLD)))
+    opt2 = torch.optim.AdamW(unique_parameters(fresh.values()), lr=1e-2)
+    load_checkpoint(path, fresh, opt2)
+    w_up = fresh[0].layers[0].mlp.w_up
+    return {
+        "experts": torch.equal(w_up, saved),
+        "moment": torch.equal(opt2.state[w_up]["exp_avg"], saved_moment),
+    }
+
+
+@pytest.mark.distributed
+def test_expert_parallel_shards_are_each_saved_and_restored(tmp_path: Path) -> None:
+    results = run_ranks(_expert_shards_case, 2, str(tmp_path))
+    assert results == [{"experts": True, "moment": True}] * 2
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(checkpoint_path(tmp_path, 1))).read_metadata()
+    names = set(keys.state_dict_metadata)
+    assert "model.stage0.layers.0.mlp.w_up[experts 0-1 of 4]" in names
+    assert "model.stage0.layers.0.mlp.w_up[experts 2-3 of 4]" in names
+    assert "optim.state.stage0.layers.0.mlp.w_up[experts 2-3 of 4].exp_avg" in names
