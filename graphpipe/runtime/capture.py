@@ -125,12 +125,12 @@ class CaptureDriver:
                 dst.copy_(src, non_blocking=True)
         if pipe.device.type != "cuda":
             self.static_step()  # CPU: no graph API; the static step itself is the replay
-            return pipe._loss_out
+            return pipe.loss.out
         if cap.graphs is None:
             cap.graphs = self._capture_graphs()
         self._check_static_grads()
         self._replay(cap)
-        return pipe._loss_out
+        return pipe.loss.out
 
     def _warmup(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
         """An eager step on fresh buffers that records the metadata of what it touches; on
@@ -228,9 +228,9 @@ class CaptureDriver:
         """The step on plan buffers only: what CUDA captures and what CPU runs as replay."""
         pipe = self.pipe
         pipe._zero_grads()
-        pipe._prepare_seed(None)
+        pipe.loss.prepare_seed(None)
         pipe._run(pipe._train, False)
-        pipe._reduce_loss()
+        pipe.loss.reduce()
         if pipe.optimizer is not None:
             pipe.optimizer.step()
 
@@ -249,7 +249,7 @@ class CaptureDriver:
             eager = functools.partial(_call_all, posts + waits) if posts or waits else None
             entries.append((name or "p2p", eager, functools.partial(fn, *args) if fn else None))
         entries.append(("wait sends", pipe.engine.finish, None))
-        entries.append(("loss", None, pipe._reduce_loss))
+        entries.append(("loss", None, pipe.loss.reduce))
         if pipe.optimizer is not None:
             entries.append(("optimizer", None, pipe.optimizer.step))
         return entries
@@ -263,7 +263,7 @@ class CaptureDriver:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._static_grads = [(p, p.grad) for p in params]
-        pipe._prepare_seed(None)
+        pipe.loss.prepare_seed(None)
         torch.cuda.synchronize()
         pipe._barrier()  # every rank enters capture together
         engine = pipe.engine

@@ -17,12 +17,14 @@ with an anonymous transport error. The protocol:
    left in flight by the failed call can never be received by a later one). A rank that
    cannot rejoin (a dead peer) makes the pipeline closed: every later call raises.
 
-Owns: the notices in the store. May touch: nothing else.
+Owns: the notices in the store. May touch: the pipeline's process groups (dropped on a
+failure, rebuilt at the next call; the control group for ``control``).
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 from graphpipe.errors import PipelineClosed, PipelineError
@@ -136,6 +138,17 @@ class Faults:
                     f"after a failed step (a peer is gone?): {type(e).__name__}: {e}"
                 )
                 raise PipelineClosed(self.closed) from None
+
+    def control(self, what: str, op: Callable[[Any], Any]) -> None:
+        """Run the collective ``op(control group)`` and wait; a failure is a ``CommFailure``."""
+        self.action = what
+        control = self.groups.control
+        try:
+            if control is None:
+                raise RuntimeError("the pipeline's process groups were dropped")
+            op(control).wait()
+        except RuntimeError as e:
+            raise CommFailure(None, what, e.with_traceback(None)) from None
 
     def _drop(self) -> None:
         self.groups.drop()

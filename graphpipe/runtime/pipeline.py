@@ -28,17 +28,27 @@ from graphpipe.simulate import Costs
 
 from .batch import BatchAgreement, split
 from .capture import CaptureDriver
+from .checks import (
+    CAPTURE_MODES,
+    check_arguments,
+    check_capture_optimizer,
+    check_expert_groups,
+    check_stages,
+    float_dtype,
+    infer_device,
+    loss_dtype,
+    seconds,
+)
 from .clipping import clip_in_step
 from .comm import CommEngine
 from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import PipelineGroups
+from .loss import LossReducer
 from .program import Program, compile_program
 from .stage import StageRunner
 
 __all__ = ["DualPipeV", "Pipeline"]
-
-_CAPTURE_MODES = {False: None, True: "step", "step": "step", "action": "action"}
 
 
 class Pipeline:
@@ -124,15 +134,7 @@ class Pipeline:
         clip_norm_type: float = 2.0,
         expert_groups: Any = None,
     ) -> None:
-        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
-            raise TypeError(
-                f"num_microbatches must be an int, got {type(num_microbatches).__name__} "
-                f"{num_microbatches!r}"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if capture not in _CAPTURE_MODES:
-            raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+        check_arguments(num_microbatches, loss_fn, capture)
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed and group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
@@ -142,7 +144,7 @@ class Pipeline:
         self.num_microbatches = m = num_microbatches
         self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
         self.stage_ids = self.placement.stages_of(self.rank)
-        self._check_stages(stages)
+        check_stages(stages, self.stage_ids, self.rank, self.schedule_name)
         check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
         self.modules = tuple(stages)
         self.loss_fn = loss_fn
@@ -152,7 +154,7 @@ class Pipeline:
         self.is_input_rank = self.rank == self.input_rank
         self.is_loss_rank = self.rank == self.loss_rank
         self.ranges = Ranges(use_nvtx)
-        self.device = self._infer_device()
+        self.device = infer_device(stages, self.group)
         split_flags = [[False] * m for _ in self.stage_ids]
         local = {s: i for i, s in enumerate(self.stage_ids)}
         for cell in self.schedule[self.rank]:
@@ -182,7 +184,7 @@ class Pipeline:
             self.group if distributed else None,
             edges,
             per_edge_groups,
-            datetime.timedelta(seconds=_seconds(timeout)),
+            datetime.timedelta(seconds=seconds(timeout)),
         )
         self.groups = groups
         self._global = groups.global_ranks
@@ -202,7 +204,7 @@ class Pipeline:
             self.engine,
         )
         # Parts that run inside the training step as instructions of its program.
-        self.expert_groups = _check_expert_groups(self.modules, expert_groups)
+        self.expert_groups = check_expert_groups(self.modules, expert_groups)
         self.data_parallel = (
             DataParallel(self, dp_group, expert_groups=expert_groups)
             if dp_group is not None
@@ -213,61 +215,19 @@ class Pipeline:
         if self._clips:
             clip_in_step(self, clip_grad_norm, clip_norm_type)
         self._agreement = BatchAgreement(
-            groups, self.rank, n, self.input_rank, self.loss_rank, m, _float_dtype(self.modules[0])
+            groups, self.rank, n, self.input_rank, self.loss_rank, m, float_dtype(self.modules[0])
         )
         self._signature: tuple[int, ...] | None = None
         self._infer_signature: tuple[int, ...] | None = None
         self._infer_metas: dict = {}
-        self._loss_dtype = self._own_loss_dtype()
-        self._losses_dtype: torch.dtype | None = None
-        if capture_optimizer is not None:
-            if capture is False:
-                raise ValueError("capture_optimizer needs capture=True, 'step' or 'action'")
-            if self.device.type == "cuda" and capture_optimizer.defaults.get("capturable") is False:
-                raise ValueError(
-                    f"capture_optimizer {type(capture_optimizer).__name__} must be created with "
-                    "capturable=True to run inside a CUDA graph"
-                )
+        self._loss_dtype = loss_dtype(self.modules)
+        self.loss = LossReducer(self)
+        check_capture_optimizer(capture_optimizer, capture, self.device)
         self.optimizer = capture_optimizer
-        self.capture = _CAPTURE_MODES[capture]
+        self.capture = CAPTURE_MODES[capture]
         self._capture = CaptureDriver(self, self.capture or "step", recapture)
 
     # ------------------------------------------------------------------ setup
-    def _check_stages(self, stages: Sequence[nn.Module]) -> None:
-        want = len(self.stage_ids)
-        if (
-            isinstance(stages, nn.Module)
-            or len(stages) != want
-            or not all(isinstance(s, nn.Module) for s in stages)
-        ):
-            got = (
-                [type(s).__name__ for s in stages]
-                if not isinstance(stages, nn.Module)
-                else [type(stages).__name__]
-            )
-            raise ValueError(
-                f"rank {self.rank} runs stages {list(self.stage_ids)} of the "
-                f"{self.schedule_name} schedule: stages must be {want} nn.Modules in that "
-                f"order, got {got}"
-            )
-
-    def _infer_device(self) -> torch.device:
-        for mod in self.modules:
-            for p in mod.parameters():
-                return p.device
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _own_loss_dtype(self) -> torch.dtype:
-        """The loss rank's choice, from its parameters (the other ranks learn it in the batch
-        agreement, whatever their own parameters are)."""
-        for mod in self.modules:
-            for p in mod.parameters():
-                if p.is_floating_point():
-                    return torch.promote_types(p.dtype, torch.float32)
-        return torch.float32
-
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Any, labels: Any, *, scaler: Any = None) -> torch.Tensor:
         """Run one training step; returns the mean loss (0-dim) on every rank.
@@ -290,9 +250,9 @@ class Pipeline:
                 "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
                 "pipe.unscale_(scaler, optimizer)"
             )
-        sig, loss_dtype = self._agree(inputs, labels, True)
+        sig, dtype = self._agree(inputs, labels, True)
         with self._guard():
-            self._ensure_losses(loss_dtype)
+            self.loss.ensure(dtype)
             if self.capture:
                 return self._capture.step(sig, inputs, labels)
             return self._eager_step(sig, inputs, labels, scaler).clone()
@@ -340,11 +300,11 @@ class Pipeline:
             split(inputs, m, dev) if self.is_input_rank else [],
             split(labels, m, dev, isinstance(labels, torch.Tensor)) if self.is_loss_rank else [],
         )
-        self._prepare_seed(scaler)
+        self.loss.prepare_seed(scaler)
         self._run(self._train, handshake)
-        loss = self._reduce_loss()
+        loss = self.loss.reduce()
         if self.groups.nccl and self.num_ranks > 1:  # the loss went on the device: agree here
-            self._on_control("end of step", lambda g: g.allreduce([torch.zeros(1)]))
+            self._faults.control("end of step", lambda g: g.allreduce([torch.zeros(1)]))
         if handshake and self.engine.staged:
             self.engine.warm()
         return loss
@@ -387,53 +347,6 @@ class Pipeline:
                 f"the step ended with deferred weight-gradient work for {left}; the schedule "
                 "is missing W actions"
             )
-
-    def _ensure_losses(self, dtype: torch.dtype) -> None:
-        if self._losses_dtype == dtype:
-            return
-        if self._capture.captures:
-            raise ValueError(f"the loss dtype changed to {dtype} after capture")
-        self._losses_dtype = dtype
-        runner = self.runner
-        runner.losses = torch.zeros(self.num_microbatches, dtype=dtype, device=self.device)
-        runner.seed = torch.zeros((), dtype=dtype, device=self.device)
-        self._loss_out = torch.zeros((), dtype=dtype, device=self.device)
-
-    def _prepare_seed(self, scaler: Any) -> None:
-        runner = self.runner
-        if self.is_loss_rank:
-            runner.seed.fill_(1.0 / self.num_microbatches)
-            runner.backward_seed = scaler.scale(runner.seed) if scaler is not None else runner.seed
-        elif scaler is not None:
-            scaler.scale(torch.zeros((), device=self.device))  # initializes its scale here too
-
-    def _reduce_loss(self) -> torch.Tensor:
-        """The mean loss into the static ``_loss_out``, broadcast from the loss rank."""
-        if self.is_loss_rank:
-            runner = self.runner
-            torch.stack(runner.loss_parts, out=runner.losses)
-            runner.loss_parts = [None] * self.num_microbatches
-            torch.mean(runner.losses, dim=0, out=self._loss_out)
-            if self.data_parallel is not None:  # the mean over the replicas' loss ranks
-                self.data_parallel.average_loss(self._loss_out)
-        if self.num_ranks == 1:
-            return self._loss_out
-        if self.device.type == "cuda":  # on device: it runs inside captured graphs
-            dist.broadcast(self._loss_out, src=self._global[self.loss_rank], group=self.group)
-            return self._loss_out
-        self._on_control("loss", lambda g: g.broadcast(self._loss_out, self.loss_rank))
-        return self._loss_out
-
-    def _on_control(self, what: str, op: Callable[[Any], Any]) -> None:
-        """Run collective ``op(control group)`` and wait; a failure is a ``CommFailure``."""
-        self._faults.action = what
-        control = self.groups.control
-        try:
-            if control is None:
-                raise RuntimeError("the pipeline's process groups were dropped")
-            op(control).wait()
-        except RuntimeError as e:
-            raise CommFailure(None, what, e.with_traceback(None)) from None
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
@@ -521,40 +434,6 @@ class Pipeline:
         stored stage activations and gradients (held by autograd, or by the CUDA graph pool
         when captured)."""
         return self._capture.memory_report()
-
-
-def _seconds(timeout: float | datetime.timedelta) -> float:
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(seconds)
-
-
-def _float_dtype(module: nn.Module) -> torch.dtype | None:
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-
-
-def _check_expert_groups(modules: Sequence[nn.Module], expert_groups: Any) -> Any:
-    """``expert_groups`` (None, or ``(ep_group, expert_dp_group)``), checked against the
-    experts' own group size: sharded experts need it, and the sizes must agree."""
-    from graphpipe.models.moe import ExpertGroups, expert_parallel_size
-
-    ep = expert_parallel_size(modules)  # 0: no MoE layer on this rank
-    if expert_groups is None:
-        if ep > 1:
-            raise ValueError(
-                f"the stages' experts are sharded over an ep group of {ep} ranks: pass "
-                "expert_groups=graphpipe.models.expert_parallel_groups(ep, dp_group)"
-            )
-        return None
-    groups = ExpertGroups(*expert_groups)
-    size = dist.get_world_size(groups.ep_group) if groups.ep_group is not None else 1
-    if ep and size != ep:
-        raise ValueError(
-            f"expert_groups.ep_group has {size} ranks, but the stages' experts are sharded "
-            f"over {ep}"
-        )
-    return groups
 
 
 def as_tuple_out(o: Any) -> tuple:

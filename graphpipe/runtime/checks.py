@@ -1,0 +1,132 @@
+"""The checks of ``Pipeline``'s arguments, and what it infers from its stages.
+
+Every check raises before anything is built, with a message that names the offending value,
+so that a bad argument costs nothing (no process group, no swapped ``nn.Linear``).
+
+Owns: nothing (pure functions). May touch: the arguments it checks, read-only.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "CAPTURE_MODES",
+    "check_arguments",
+    "check_capture_optimizer",
+    "check_expert_groups",
+    "check_stages",
+    "float_dtype",
+    "infer_device",
+    "loss_dtype",
+    "seconds",
+]
+
+CAPTURE_MODES = {False: None, True: "step", "step": "step", "action": "action"}
+
+
+def check_arguments(num_microbatches: Any, loss_fn: Any, capture: Any) -> None:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise TypeError(
+            f"num_microbatches must be an int, got {type(num_microbatches).__name__} "
+            f"{num_microbatches!r}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+
+
+def check_stages(stages: Any, stage_ids: Sequence[int], rank: int, schedule_name: str) -> None:
+    """``stages`` must be one ``nn.Module`` per stage this rank runs, in order."""
+    want = len(stage_ids)
+    if (
+        isinstance(stages, nn.Module)
+        or len(stages) != want
+        or not all(isinstance(s, nn.Module) for s in stages)
+    ):
+        got = (
+            [type(s).__name__ for s in stages]
+            if not isinstance(stages, nn.Module)
+            else [type(stages).__name__]
+        )
+        raise ValueError(
+            f"rank {rank} runs stages {list(stage_ids)} of the {schedule_name} schedule: "
+            f"stages must be {want} nn.Modules in that order, got {got}"
+        )
+
+
+def check_capture_optimizer(
+    optimizer: torch.optim.Optimizer | None, capture: Any, device: torch.device
+) -> None:
+    if optimizer is None:
+        return
+    if capture is False:
+        raise ValueError("capture_optimizer needs capture=True, 'step' or 'action'")
+    if device.type == "cuda" and optimizer.defaults.get("capturable") is False:
+        raise ValueError(
+            f"capture_optimizer {type(optimizer).__name__} must be created with "
+            "capturable=True to run inside a CUDA graph"
+        )
+
+
+def seconds(timeout: float | datetime.timedelta) -> float:
+    """``timeout`` in seconds (a positive number or a ``timedelta``)."""
+    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(value)
+
+
+def infer_device(modules: Sequence[nn.Module], group: dist.ProcessGroup | None) -> torch.device:
+    """The device of the first parameter; without parameters, the process group's."""
+    for mod in modules:
+        for p in mod.parameters():
+            return p.device
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def float_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the module's first floating-point parameter (None without one)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+def loss_dtype(modules: Sequence[nn.Module]) -> torch.dtype:
+    """The loss rank's choice, from its parameters (the other ranks learn it in the batch
+    agreement, whatever their own parameters are)."""
+    for mod in modules:
+        for p in mod.parameters():
+            if p.is_floating_point():
+                return torch.promote_types(p.dtype, torch.float32)
+    return torch.float32
+
+
+def check_expert_groups(modules: Sequence[nn.Module], expert_groups: Any) -> Any:
+    """``expert_groups`` (None, or ``(ep_group, expert_dp_group)``), checked against the
+    experts' own group size: sharded experts need it, and the sizes must agree."""
+    from graphpipe.models.moe import ExpertGroups, expert_parallel_size
+
+    ep = expert_parallel_size(modules)  # 0: no MoE layer on this rank
+    if expert_groups is None:
+        if ep > 1:
+            raise ValueError(
+                f"the stages' experts are sharded over an ep group of {ep} ranks: pass "
+                "expert_groups=graphpipe.models.expert_parallel_groups(ep, dp_group)"
+            )
+        return None
+    groups = ExpertGroups(*expert_groups)
+    size = dist.get_world_size(groups.ep_group) if groups.ep_group is not None else 1
+    if ep and size != ep:
+        raise ValueError(
+            f"expert_groups.ep_group has {size} ranks, but the stages' experts are sharded "
+            f"over {ep}"
+        )
+    return groups
