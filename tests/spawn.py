@@ -1,15 +1,31 @@
-"""Run a function on N spawned gloo ranks and collect what each rank returns."""
+"""Run a function on N spawned gloo ranks and collect what each rank returns.
+
+Starting a rank costs an interpreter and ``import torch`` (about 3 s of CPU per rank on the
+2-core CI machine), more than most distributed tests spend running. ``run_ranks`` therefore
+keeps one pool of ``world`` processes per world size for the whole test session: each call
+sends its function to the pool's ranks, which create a fresh gloo process group on a fresh
+port, run it, report, destroy the group and restore what a test may have changed (environment
+variables, default dtype, grad mode, the torch RNG's start seed), ready for the next call.
+
+A call that fails or times out kills its pool (a rank may be stuck in a collective or hold a
+broken group); the next call starts a new one. ``may_die`` calls (a rank is killed on purpose)
+run on their own fresh processes, as does everything when ``GRAPHPIPE_TEST_FRESH_RANKS=1``.
+"""
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
+import queue as queue_mod
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+_TORCH_START_SEED = 67280421310721  # what a fresh process's torch generator starts from
 
 
 def free_port() -> int:
@@ -18,15 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(
-    rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, pg_timeout: float
-) -> None:
+def _run_one(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, pg_timeout: float
+) -> tuple[str, Any]:
+    """Run ``fn`` in a fresh process group; ``("ok", bytes)`` or ``("error", traceback)``."""
     import datetime
+    import gc
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group(
@@ -36,15 +53,96 @@ def _worker(
         # Send bytes, not tensors: a tensor on a queue lives in shared memory that dies with us.
         buf = io.BytesIO()
         torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        return "ok", buf.getvalue()
     except BaseException as e:  # report every failure to the parent
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
+        result = None
         if dist.is_initialized():
-            import gc
-
             gc.collect()  # free pipelines before the process group they use
             dist.destroy_process_group()
+
+
+def _worker(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, pg_timeout: float
+) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    status, value = _run_one(rank, world, port, fn, args, pg_timeout)
+    queue.put((0, rank, status, value))
+
+
+def _serve(rank: int, world: int, tasks: Any, results: Any) -> None:
+    """A pool rank: run tasks until told to stop, restoring the process between them."""
+    import torch
+
+    torch.set_num_threads(1)
+    environ = dict(os.environ)
+    dtype = torch.get_default_dtype()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        task_id, port, fn, args, pg_timeout = task
+        torch.manual_seed(_TORCH_START_SEED)
+        status, value = _run_one(rank, world, port, fn, args, pg_timeout)
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(True)
+        results.put((task_id, rank, status, value))
+
+
+class _Pool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world, self.tasks[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+_POOLS: dict[int, _Pool] = {}
+_TASK_IDS = itertools.count(1)
+
+
+def _collect(results: Any, world: int, task_id: int, timeout: float, may_die: tuple) -> tuple:
+    import torch
+
+    got: dict[int, Any] = {}
+    errors: list[str] = []
+    required = set(range(world)) - set(may_die)
+    while not required <= set(got):
+        try:
+            tid, rank, status, value = results.get(timeout=timeout)
+        except queue_mod.Empty:
+            missing = sorted(required - set(got))
+            errors.append(f"ranks {missing} gave no result within {timeout} s")
+            break
+        if tid != task_id:
+            continue  # a late result of an earlier, failed call
+        if status == "ok":
+            got[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"rank {rank}: {value}")
+            break
+    return got, errors
 
 
 def run_ranks(
@@ -59,8 +157,30 @@ def run_ranks(
 
     ``fn`` must be importable (a module-level function). Raises with the failing rank's
     traceback when a rank fails. ``pg_timeout``: the gloo timeout in seconds. ``may_die``:
-    ranks that may end without a result (their entry is None).
+    ranks that may end without a result (their entry is None); such a call gets fresh
+    processes.
     """
+    if may_die or os.environ.get("GRAPHPIPE_TEST_FRESH_RANKS") == "1":
+        return _run_fresh(fn, world, args, timeout, pg_timeout, may_die)
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _POOLS[world] = _Pool(world)
+    task_id, port = next(_TASK_IDS), free_port()
+    for r in range(world):
+        pool.tasks[r].put((task_id, port, fn, args, pg_timeout))
+    got, errors = _collect(pool.results, world, task_id, timeout, ())
+    if errors:
+        pool.kill()
+        del _POOLS[world]
+        raise RuntimeError("\n".join(errors))
+    return [got[r] for r in range(world)]
+
+
+def _run_fresh(
+    fn: Callable, world: int, args: tuple, timeout: float, pg_timeout: float, may_die: tuple
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -70,19 +190,9 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        required = set(range(world)) - set(may_die)
-        while not required <= set(results):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "ok":
-                import torch
-
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                errors.append(f"rank {rank}: {value}")
-                break
+        got, errors = _collect(queue, world, 0, timeout, may_die)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
@@ -90,4 +200,4 @@ def run_ranks(
                 p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
-    return [results.get(r) for r in range(world)]
+    return [got.get(r) for r in range(world)]
