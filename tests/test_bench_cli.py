@@ -187,6 +187,11 @@ def test_synthetic_regime_measures_each_schedule_against_its_dataflow_ideal(tmp_
         assert r["ranks"] == 2 and r["microbatches"] == 4
         assert len(r["step_times_s"]) == 2 and all(t > 0 for t in r["step_times_s"])
         assert r["measured_over_ideal"] == pytest.approx(r["measured_step_s"] / r["ideal_step_s"])
+        # the measured gloo latency lengthens the ideal, never shortens it
+        assert r["p2p_latency_s"] > 0 and r["ideal_with_p2p_step_s"] > r["ideal_step_s"]
+        assert r["measured_over_ideal_with_p2p"] == pytest.approx(
+            r["measured_step_s"] / r["ideal_with_p2p_step_s"]
+        )
     # 1F1B's dataflow makespan is the textbook (M + N - 1)(F + B): (4 + 1) * 6 ms
     assert rows[0]["ideal_step_s"] == pytest.approx(0.030)
     # every sleep really happens: no schedule beats its ideal

@@ -9,7 +9,10 @@ work, its P2P latency, and whether it lets each action start as soon as its data
 
 The ideal is the dataflow makespan of the same schedule with the same costs
 (``graphpipe.simulate.dataflow``, no P2P latency); a runtime that hides its communication
-and adds little host work per action comes within a few percent of it.
+and adds little host work per action comes within a few percent of it. The machine's own
+P2P latency (half the median round trip of a one-float message between ranks 0 and 1, gloo
+on CPU) is measured first, and a second ideal adds it to every message
+(``ideal_with_p2p_step_s``): what is left above that one is the runtime's host work.
 """
 
 from __future__ import annotations
@@ -104,15 +107,23 @@ class PlainSleepStage(SleepStage):
 
 
 def synthetic_row(
-    schedule: str, ranks: int, microbatches: int, ms: Costs, step_times_s: list[float]
+    schedule: str,
+    ranks: int,
+    microbatches: int,
+    ms: Costs,
+    step_times_s: list[float],
+    p2p_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One result row: the measured median step against the dataflow ideal."""
+    """One result row: the measured median step against the dataflow ideal (and the ideal
+    with ``p2p_s`` seconds of latency per message)."""
     from graphpipe.schedules import SCHEDULES
 
     built, placement = SCHEDULES[schedule](ranks, microbatches)
     ideal = dataflow(built, placement, Costs(**{**_asdict(ms), "p2p": 0.0}))
+    with_p2p = dataflow(built, placement, Costs(**{**_asdict(ms), "p2p": p2p_s * 1e3}))
     measured = statistics.median(step_times_s)
     ideal_s = ideal.makespan / 1e3
+    with_p2p_s = with_p2p.makespan / 1e3
     return {
         "schedule": schedule,
         "ranks": ranks,
@@ -121,6 +132,9 @@ def synthetic_row(
         "measured_step_s": measured,
         "ideal_step_s": ideal_s,
         "measured_over_ideal": measured / ideal_s,
+        "p2p_latency_s": p2p_s,
+        "ideal_with_p2p_step_s": with_p2p_s,
+        "measured_over_ideal_with_p2p": measured / with_p2p_s,
         "ideal_max_idle_s": max(r.idle for r in ideal.ranks) / 1e3,
         "measured_max_idle_s": measured - min(r.busy for r in ideal.ranks) / 1e3,
         "step_times_s": step_times_s,
@@ -131,6 +145,29 @@ def _asdict(c: Costs) -> dict[str, Any]:
     return {"F": c.F, "B": c.B, "I": c.I, "W": c.W, "FB": c.FB, "p2p": c.p2p}
 
 
+def p2p_latency(rank: int, world: int, reps: int = 50) -> float:
+    """Half the median round trip of a one-float message between ranks 0 and 1, seconds, on
+    every rank (0 on one rank)."""
+    if world < 2:
+        return 0.0
+    buf = torch.zeros(1)
+    halves = []
+    for i in range(reps + 5):
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+            if i >= 5:
+                halves.append((time.perf_counter() - t0) / 2)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    latency = torch.tensor(statistics.median(halves) if rank == 0 else 0.0, dtype=torch.float64)
+    dist.broadcast(latency, 0)
+    return latency.item()
+
+
 def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> list[dict]:
     """Run every requested schedule on this rank; rank 0 returns the rows."""
     import graphpipe
@@ -139,6 +176,7 @@ def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> l
     ms: Costs = opts["costs"]
     rows = []
     group = dist.group.WORLD if world > 1 else None
+    latency = p2p_latency(rank, world)
     for name in opts["schedules"]:
         kind = SCHEDULES[name]
         m = opts.get("microbatches") or 4 * world
@@ -162,7 +200,7 @@ def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> l
             if i >= opts["warmup"]:
                 times.append(elapsed.item())
         pipe.close()
-        rows.append(synthetic_row(name, world, m, ms, times))
+        rows.append(synthetic_row(name, world, m, ms, times, latency))
     return rows if rank == 0 else []
 
 
@@ -174,14 +212,15 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     """The rows as a table, milliseconds."""
     lines = [
         f"{'schedule':<10} {'ranks':>5} {'M':>3} {'measured':>10} {'ideal':>10} {'ratio':>6} "
-        f"{'max idle':>9} {'ideal idle':>10}"
+        f"{'max idle':>9} {'ideal idle':>10} {'ideal+p2p':>10} {'ratio':>6}"
     ]
     for r in rows:
         lines.append(
             f"{r['schedule']:<10} {r['ranks']:>5} {r['microbatches']:>3} "
             f"{r['measured_step_s'] * 1e3:>10.1f} {r['ideal_step_s'] * 1e3:>10.1f} "
             f"{r['measured_over_ideal']:>6.3f} {r['measured_max_idle_s'] * 1e3:>9.1f} "
-            f"{r['ideal_max_idle_s'] * 1e3:>10.1f}"
+            f"{r['ideal_max_idle_s'] * 1e3:>10.1f} {r['ideal_with_p2p_step_s'] * 1e3:>10.1f} "
+            f"{r['measured_over_ideal_with_p2p']:>6.3f}"
         )
     return "\n".join(lines)
 
@@ -198,7 +237,8 @@ def synthetic_main(rank: int, world: int, device: torch.device, opts: dict) -> N
     ms: Costs = opts["costs"]
     print(
         f"synthetic stages (milliseconds: {ms}), {world} ranks, median of {opts['steps']} "
-        "steps (the slowest rank's wall time per step)",
+        "steps (the slowest rank's wall time per step); measured P2P latency "
+        f"{rows[0]['p2p_latency_s'] * 1e3:.3f} ms per message (ideal+p2p adds it to each)",
         file=sys.stderr,
     )
     print(format_rows(rows), flush=True)
