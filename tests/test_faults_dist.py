@@ -251,3 +251,60 @@ def test_ranks_agree_on_the_loss_dtype_whatever_their_parameters() -> None:
     r0, r1 = run_ranks(_parameterless_case, 2, timeout=120, pg_timeout=LONG)
     assert r0["loss"].dtype == r1["loss"].dtype == torch.float32  # rank 0's choice
     assert torch.equal(r0["loss"], r1["loss"]) and r0["loss"].item() > 1e-3
+
+
+def _replica_case(rank: int, world: int, kind: str) -> dict:
+    """PP 2 x DP 2: a failure on replica 0's pipeline rank 1 at step 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphpipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    d, p = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    mine = local_stages(build_stages(4), p, 2)
+    pipe = graphpipe.DualPipeV(
+        mine,
+        num_microbatches=4,
+        loss_fn=mse,
+        group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        timeout=LONG,
+    )
+    state = {"armed": False}
+    if d == 0:
+        _arm(pipe, mine, kind, 1, 2, state)
+    out: dict = {"replica": d, "pp": p, "errors": []}
+    for step in range(3):
+        for c in state.get("counters", []):
+            c["n"] = 0
+        state["armed"] = step == 1
+        x, y = batch(8, seed=step)
+        try:
+            pipe.step(x if p == 0 else None, y if p == 0 else None)
+        except BaseException as e:
+            out["errors"].append(f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["F", "interrupt"])
+def test_a_failure_on_one_replica_reaches_every_replica_by_name(kind) -> None:
+    """Without the replicas' notices, replica 1 would wait in its gradient all-reduce until
+    the gloo timeout (300 s), past ``run_ranks``' limit."""
+    results = run_ranks(_replica_case, 4, kind, timeout=120, pg_timeout=LONG)
+    original = "Boom: planted in F of stage 1 mb 2" if kind == "F" else "KeyboardInterrupt"
+    for res in results:
+        who = f"replica {res['replica']}, pipeline rank {res['pp']}"
+        assert len(res["errors"]) == 2, f"{who}: {res['errors']}"
+        first, then = res["errors"]
+        if (res["replica"], res["pp"]) == (0, 1):
+            assert first.startswith(original), f"{who}: {first}"
+        elif res["replica"] == 0:
+            assert first.startswith("PipelineError: the step failed on rank 1 at 1F2: "), first
+        else:  # the other replica learns it by name, not by a timeout
+            assert first.startswith("PipelineError: the step failed on replica 0: rank 1 at 1F2"), (
+                f"{who}: {first}"
+            )
+        assert original.split(":")[0] in first
+        assert then.startswith(
+            "PipelineClosed: pipeline closed: a step failed (call 2) with data parallelism"
+        ), f"{who}: {then}"

@@ -40,14 +40,25 @@ Stages wrapped in ``DistributedDataParallel`` or sharded with FSDP are refused
 gradients bypass them (DDP replicas then drift apart with no error; FSDP2 fails inside the
 ``W`` on a DTensor gradient).
 
+**Failures.** A failure on one replica must end the step on the others too: their ranks
+are waiting on this step's reductions, which the failed replica will never post. On gloo the
+pipeline's fault notices are also published under a key of the dp group (``Faults.replicas``);
+a rank waiting on a reduction polls its work and looks for such a notice every 50 ms, and
+raises ``PipelineError`` naming the replica, rank, action and error. The reductions already
+posted cannot be matched any more, so after such a failure the pipeline is closed on every
+rank (``PipelineClosed``): build new process groups and a new pipeline.
+
 Owns: the buckets, their flat buffers and the in-flight works. May touch: the ``.grad`` of
 the pipeline's parameters (in place, or set once when ``None``), the loss buffer, the
-``dp_group``. Must not: touch the pipeline group or run stage code.
+``dp_group``, the replicas' fault notices. Must not: touch the pipeline group or run stage
+code.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +68,15 @@ from torch import nn
 
 from graphpipe.models.moe import is_expert_parameter
 
+from .faults import CommFailure, FaultNotices
+
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
 __all__ = ["DataParallel", "check_stage_wrappers"]
+
+_created: Counter = Counter()  # pipelines this process built per dp rank set (notice keys)
+_CHECK_S = 0.05  # how often a rank waiting on the other replicas looks for a failure notice
 
 
 def _wrappers() -> tuple[tuple[type, str], ...]:
@@ -150,6 +166,8 @@ class DataParallel:
     ``expert_groups``: the ``ExpertGroups`` of stages with expert parameters.
     """
 
+    name = "dp grads"  # what a failure while waiting names (the program's ``wait dp grads``)
+
     def __init__(
         self,
         pipe: Pipeline,
@@ -162,6 +180,17 @@ class DataParallel:
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.ranges = pipe.ranges
+        # Failures of the other replicas (gloo): notices shared over the dp group, looked for
+        # while waiting on its reductions (a CUDA wait is a stream dependency: no polling).
+        self.faults = pipe._faults
+        store = self.faults.notices.store
+        self.poll = self.size > 1 and pipe.device.type == "cpu" and store is not None
+        if self.poll:
+            ranks = list(dist.get_process_group_ranks(dp_group))
+            _created[tuple(ranks)] += 1
+            key = f"graphpipe/dp/{ranks}/{_created[tuple(ranks)]}"
+            self.faults.replicas = FaultNotices(store, key, pipe.rank)
+            self.faults.replica = dist.get_rank(dp_group)
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
         self._check_layout(pipe)
         self._sync_state(pipe.modules)
@@ -258,16 +287,40 @@ class DataParallel:
         try:
             for b in self._in_flight:
                 if b.work is not None:
-                    b.work.wait()
+                    self._wait(b.work, "wait dp grads")
                 b.store(self.size)
         finally:
             self.abandon()
             ranges.pop()
 
+    def _wait(self, work: Any, what: str) -> None:
+        """``work.wait()``; on gloo, polled so that another replica's failure notice ends the
+        wait at once (``CommFailure`` carrying it) instead of at the group's timeout."""
+        faults = self.faults
+        if self.poll:
+            faults.action = what
+            check = 0.0
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= check:
+                    notice = faults.replicas.peek(faults.call)
+                    if notice is not None:
+                        cause = RuntimeError("another data-parallel replica failed")
+                        raise CommFailure(None, what, cause, notice=notice)
+                    check = now + _CHECK_S
+                time.sleep(0.0002)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise CommFailure(None, what, e.with_traceback(None)) from None
+
     def average_loss(self, loss: torch.Tensor) -> None:
         """On the loss rank: ``loss`` becomes the mean of every replica's ``loss``."""
         if self.size > 1:
-            dist.all_reduce(loss, group=self.group)
+            if self.poll:
+                self._wait(dist.all_reduce(loss, group=self.group, async_op=True), "dp loss")
+            else:
+                dist.all_reduce(loss, group=self.group)
             loss.div_(self.size)
 
     def abandon(self) -> None:

@@ -44,9 +44,12 @@ class CommFailure(RuntimeError):
     what: what it was doing (``wait 3RECV_F5``, ``wait sends``, ``batch agreement``).
     """
 
-    def __init__(self, peer: int | None, what: str, cause: BaseException) -> None:
+    def __init__(
+        self, peer: int | None, what: str, cause: BaseException, notice: str | None = None
+    ) -> None:
         super().__init__(f"{what}: {type(cause).__name__}: {cause}")
         self.peer, self.what, self.cause = peer, what, cause
+        self.notice = notice  # a failure notice found while waiting (another replica's)
 
 
 def add_note(exc: BaseException, note: str) -> None:
@@ -81,6 +84,22 @@ class FaultNotices:
         why = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
         self.store.set(key, f"rank {self.rank}{where}: {why}")
         return True
+
+    def publish_text(self, call: int, text: str) -> bool:
+        """Publish ``text`` as the notice of call ``call``; False if one was there first."""
+        if self.store is None:
+            return True
+        key = self._key(call)
+        if self.store.add(key + "/claims", 1) != 1:
+            return False
+        self.store.set(key, text)
+        return True
+
+    def peek(self, call: int) -> str | None:
+        """The notice of call ``call`` if there is one now (no waiting)."""
+        if self.store is None or not self.store.check([self._key(call)]):
+            return None
+        return self.store.get(self._key(call)).decode()
 
     def read(self, call: int, wait_s: float = 1.0) -> str | None:
         """The notice of call ``call``, waiting up to ``wait_s`` for it; None if none."""
@@ -122,6 +141,23 @@ class Faults:
         self.call = 0
         self.action = ""
         self.closed: str | None = None
+        # With data parallelism: the notices shared with this rank's data-parallel group
+        # (``replicas``, keyed like ``notices``) and this replica's index in it.
+        self.replicas: FaultNotices | None = None
+        self.replica = 0
+
+    def tell_replicas(self, notice: str) -> None:
+        """Forward a notice of this pipeline to the other replicas (first one wins) and close:
+        their reductions of this step are posted and cannot be matched any more."""
+        if self.replicas is None:
+            return
+        text = notice if notice.startswith("replica ") else f"replica {self.replica}: {notice}"
+        self.replicas.publish_text(self.call, text)
+        self.closed = (
+            f"pipeline closed: a step failed (call {self.call}) with data parallelism, and the "
+            "data-parallel group's reductions of that step cannot be matched any more; build "
+            f"new process groups and a new pipeline (the failure: {text})"
+        )
 
     def begin(self) -> None:
         """Start a call: refuse if closed, rebuild the groups after a failed call."""
@@ -161,6 +197,12 @@ class Faults:
     def original(self, exc: BaseException) -> None:
         """This rank raised ``exc``: publish it, tell the peers (drop the groups), note it."""
         self.notices.publish(self.call, self.action, exc)
+        if self.replicas is not None:
+            where = f" at {self.action}" if self.action else ""
+            self.tell_replicas(
+                self.notices.peek(self.call)
+                or f"rank {self.rank}{where}: {type(exc).__name__}: {exc}"
+            )
         self._drop()
         where = f" at action {self.action}" if self.action else ""
         add_note(
@@ -171,10 +213,18 @@ class Faults:
 
     def consequence(self, failure: CommFailure) -> PipelineError:
         """This rank's traffic failed: the error to raise (naming the rank that failed)."""
+        if failure.notice is not None:  # another replica failed: tell this pipeline first
+            self.notices.publish_text(self.call, failure.notice)
         notice = self.notices.read(self.call)
+        if notice is None and self.replicas is not None:
+            notice = self.replicas.read(self.call)
+            if notice is not None:
+                self.notices.publish_text(self.call, notice)
         if notice is None:  # nobody reported: this rank found the loss; tell the others
             self.notices.publish(self.call, self.action, FaultNotices.lost(failure))
             notice = self.notices.read(self.call)
+        if notice is not None:
+            self.tell_replicas(notice)
         self._drop()
         if notice is None:  # a one-rank store-less pipeline cannot get here; be safe anyway
             notice = f"rank {self.rank}: {FaultNotices.lost(failure)}"
