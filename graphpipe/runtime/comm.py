@@ -44,12 +44,19 @@ from graphpipe.nvtx import Ranges
 
 from .faults import CommFailure
 from .groups import PipelineGroups
-from .messages import DATA_TAG, HEADER_LEN, HEADER_TAG, check_message, decode_header, encode_header
+from .messages import (
+    DATA_TAG,
+    HEADER_LEN,
+    HEADER_TAG,
+    Channel,
+    check_message,
+    decode_header,
+    encode_header,
+)
 from .stage import StageRunner
 
 __all__ = ["CommEngine", "RecvTransfer", "SendTransfer"]
 
-Channel = tuple[int, int]
 Tensors = tuple[torch.Tensor, ...]
 
 

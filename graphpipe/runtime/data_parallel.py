@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,13 +68,13 @@ from torch import nn
 from graphpipe.models.moe import is_expert_parameter
 
 from .faults import CommFailure, FaultNotices
+from .groups import store_key
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
 __all__ = ["DataParallel", "check_stage_wrappers"]
 
-_created: Counter = Counter()  # pipelines this process built per dp rank set (notice keys)
 _CHECK_S = 0.05  # how often a rank waiting on the other replicas looks for a failure notice
 
 
@@ -186,9 +185,7 @@ class DataParallel:
         store = self.faults.notices.store
         self.poll = self.size > 1 and pipe.device.type == "cpu" and store is not None
         if self.poll:
-            ranks = list(dist.get_process_group_ranks(dp_group))
-            _created[tuple(ranks)] += 1
-            key = f"graphpipe/dp/{ranks}/{_created[tuple(ranks)]}"
+            key = store_key(dist.get_process_group_ranks(dp_group), "dp")
             self.faults.replicas = FaultNotices(store, key, pipe.rank)
             self.faults.replica = dist.get_rank(dp_group)
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None

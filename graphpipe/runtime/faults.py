@@ -72,18 +72,16 @@ class FaultNotices:
     def _key(self, call: int) -> str:
         return f"{self.key}/fail/{call}"
 
+    def text(self, action: str, what: BaseException | str) -> str:
+        """This rank's notice: ``rank R at ACTION: Type: message``."""
+        where = f" at {action}" if action else ""
+        why = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+        return f"rank {self.rank}{where}: {why}"
+
     def publish(self, call: int, action: str, what: BaseException | str) -> bool:
         """Publish this rank's failure of call ``call`` (an exception, or a text); False if
         another rank was first."""
-        if self.store is None:
-            return True
-        key = self._key(call)
-        if self.store.add(key + "/claims", 1) != 1:
-            return False
-        where = f" at {action}" if action else ""
-        why = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
-        self.store.set(key, f"rank {self.rank}{where}: {why}")
-        return True
+        return self.publish_text(call, self.text(action, what))
 
     def publish_text(self, call: int, text: str) -> bool:
         """Publish ``text`` as the notice of call ``call``; False if one was there first."""
@@ -197,12 +195,8 @@ class Faults:
     def original(self, exc: BaseException) -> None:
         """This rank raised ``exc``: publish it, tell the peers (drop the groups), note it."""
         self.notices.publish(self.call, self.action, exc)
-        if self.replicas is not None:
-            where = f" at {self.action}" if self.action else ""
-            self.tell_replicas(
-                self.notices.peek(self.call)
-                or f"rank {self.rank}{where}: {type(exc).__name__}: {exc}"
-            )
+        if self.replicas is not None:  # the pipeline's first notice (maybe another rank's)
+            self.tell_replicas(self.notices.read(self.call) or self.notices.text(self.action, exc))
         self._drop()
         where = f" at action {self.action}" if self.action else ""
         add_note(

@@ -27,9 +27,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["PipelineGroups"]
+__all__ = ["PipelineGroups", "store_key"]
 
-_created: Counter = Counter()  # pipelines this process built per rank set (their store keys)
+_created: Counter = Counter()  # keys this process made per (kind, rank set)
+
+
+def store_key(global_ranks: Sequence[int], kind: str = "") -> str:
+    """A fresh key in the job's store for an object of ``kind`` over ``global_ranks``
+    (``graphpipe/[kind/]0_1/3`` for the third): the same on every member, as they build
+    their objects in the same order."""
+    ranks = "_".join(map(str, global_ranks))
+    _created[kind, ranks] += 1
+    return f"graphpipe/{kind + '/' if kind else ''}{ranks}/{_created[kind, ranks]}"
 
 
 def _gloo(store: Any, prefix: str, ranks: Sequence[int], me: int, timeout: datetime.timedelta):
@@ -71,9 +80,7 @@ class PipelineGroups:
         self.edges = sorted(e for e in set(edges) if self.rank in e)
         self.timeout = timeout
         self.store = dist.distributed_c10d._get_default_store()
-        ranks = "_".join(map(str, self.global_ranks))
-        _created[ranks] += 1
-        self.key = f"graphpipe/{ranks}/{_created[ranks]}"
+        self.key = store_key(self.global_ranks)
         self.generation = 0
         self.p2p, self.control = {}, None
         self._nccl_p2p = _nccl_edge_groups(group, edges) if self.nccl and n > 1 else {}
