@@ -228,12 +228,12 @@ def _state(
     rank: int,
     step: int,
     extra: Mapping[str, Any] | None,
+    shards: Mapping[str, str],
 ) -> dict[str, Any]:
     if optimizers:
         msd, osd = get_state_dict(model, optimizers, options=_OPTIONS)
     else:
         msd, osd = get_model_state_dict(model, options=_OPTIONS), {}
-    shards = _expert_shards(model)
     msd, osd = _rename(msd, shards), _rename(osd, shards)
     mine: dict[str, Any] = {"rng": _rng_bytes()}
     for name, obj in (extra or {}).items():
@@ -281,7 +281,7 @@ def save_checkpoint(
         raise ValueError(f"meta must be JSON-serializable: {e}") from None
     rank, world = _world(group)
     distributed = _distributed()
-    state = _state(model, _optimizers(optimizer), rank, step, extra)
+    state = _state(model, _optimizers(optimizer), rank, step, extra, _expert_shards(model))
     stage_lists: list[Any] = [sorted(stages)]
     if distributed:
         stage_lists = [None] * world
@@ -356,10 +356,11 @@ def load_checkpoint(
             f"this rank has stages {sorted(stages)}"
         )
     optimizers = _optimizers(optimizer)
-    state = _state(model, optimizers, rank, -1, extra)
+    shards = _expert_shards(model)
+    state = _state(model, optimizers, rank, -1, extra, shards)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, process_group=group, no_dist=not _distributed())
-    back = {v: k for k, v in _expert_shards(model).items()}
+    back = {v: k for k, v in shards.items()}
     state["model"], state["optim"] = _rename(state["model"], back), _rename(state["optim"], back)
     if optimizers:
         set_state_dict(
