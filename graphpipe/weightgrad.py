@@ -5,7 +5,9 @@ state dict and ``isinstance`` are unchanged) to ``DeferrableLinear``. Its backwa
 the input gradient at once; the weight gradient ``grad_out^T @ x`` (and the bias sum) is
 either computed at once (``B``: full backward) or, while its stage's ``WeightGradStore`` is
 deferring on behalf of an ``I`` action, stashed under the key of the ``W`` action that will run
-it. ``W`` then runs exactly those GEMMs and accumulates into ``.grad``.
+it. ``W`` then runs exactly those GEMMs and accumulates into ``.grad``. Both accumulate in the
+GEMM itself (``.grad += g^T x`` as one ``addmm_``), not as a GEMM then an add; a full backward
+of a small layer (under ``FUSED_ACCUMULATION_MIN_NUMEL`` weights) uses plain autograd instead.
 
 Other parameters (norm weights, embeddings, custom layers) get their gradients during ``I``
 like in a full backward: they are not deferred. They are small next to the Linear weights,
@@ -30,11 +32,17 @@ __all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable", "no_defer"]
 
 _NO_DEFER = "_graphpipe_no_defer"
 
+# From this many weight elements (512 x 512) a full backward (B) also goes through the custom
+# Function, to accumulate its weight gradient into .grad in the GEMM (see
+# _accumulate_weight_grad). Below, the Function's host cost (~15 us on a CPU) outweighs the
+# pass over .grad it saves; above, the pass costs up to as much as the GEMM.
+FUSED_ACCUMULATION_MIN_NUMEL = 1 << 18
+
 
 class WeightGradStore:
     """Deferred weight-gradient work of one stage, keyed by the ``W`` action that runs it."""
 
-    __slots__ = ("_key", "_pending", "split")
+    __slots__ = ("_key", "_pending", "accumulating", "split")
 
     def __init__(self) -> None:
         self._pending: dict[Hashable, list[tuple[Callable[..., None], tuple]]] = {}
@@ -46,6 +54,11 @@ class WeightGradStore:
         # checkpoint recomputes the forward during the backward, and the recompute must take
         # the same path (the two paths save different tensors: x and W, or x and W^T).
         self.split = True
+        # Set by the executor around the backwards it runs (B): then a weight gradient that is
+        # not deferred goes straight into .grad (fused, see _accumulate_weight_grad) instead
+        # of back to autograd. Outside (a user's own backward or torch.autograd.grad on a stage)
+        # autograd gets it as from any Linear.
+        self.accumulating = False
 
     @contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
@@ -101,21 +114,26 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def _weight_grads(
-    x: torch.Tensor, g: torch.Tensor, with_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    g2 = g.reshape(-1, g.shape[-1])
-    gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
-    gb = g2.sum(0) if with_bias else None
-    return gw, gb
-
-
 def _accumulate_weight_grad(module: nn.Linear, x: torch.Tensor, g: torch.Tensor) -> None:
-    gw, gb = _weight_grads(x, g, module.bias is not None and module.bias.requires_grad)
-    if module.weight.requires_grad:
-        _accumulate(module.weight, gw)
-    if gb is not None:
-        _accumulate(module.bias, gb)
+    """``weight.grad += g^T x`` (and ``bias.grad += sum(g)``).
+
+    Into an existing ``.grad`` of the operands' dtype this is one GEMM with beta = 1
+    (``addmm_``): no weight-sized temporary and no second pass over ``.grad``, which for a
+    large Linear costs as much as the GEMM itself (Megatron's gradient-accumulation fusion).
+    Otherwise (the first micro-batch, or autocast's low-precision operands into an fp32
+    ``.grad``) the GEMM's result is cast and stored or added like autograd would.
+    """
+    g2 = g.reshape(-1, g.shape[-1])
+    weight, bias = module.weight, module.bias
+    if weight.requires_grad:
+        x2 = x.reshape(-1, x.shape[-1])
+        grad = weight.grad
+        if grad is not None and grad.dtype == g2.dtype == x2.dtype:
+            grad.addmm_(g2.t(), x2)
+        else:
+            _accumulate(weight, g2.t().mm(x2))
+    if bias is not None and bias.requires_grad:
+        _accumulate(bias, g2.sum(0))
 
 
 class _LinearFn(torch.autograd.Function):
@@ -132,10 +150,19 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        if not need_w or ctx.store.defer(_accumulate_weight_grad, ctx.module, x, g):
+        store = ctx.store
+        if not need_w or store.defer(_accumulate_weight_grad, ctx.module, x, g):
             return gx, None, None, None, None
-        gw, gb = _weight_grads(x, g, ctx.needs_input_grad[2])
-        return gx, gw if ctx.needs_input_grad[1] else None, gb, None, None
+        if store.accumulating:
+            # The executor's full backward: into .grad now, fused, instead of handing the
+            # weight gradient to autograd (which would add it into .grad in a second pass).
+            with torch.no_grad():
+                _accumulate_weight_grad(ctx.module, x, g)
+            return gx, None, None, None, None
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
 
 
 class DeferrableLinear(nn.Linear):
@@ -149,7 +176,11 @@ class DeferrableLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.__dict__.get("_wgrad_store")
-        if store is None or not store.split or not torch.is_grad_enabled():
+        if store is None or not torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        if not store.split and self.weight.numel() < FUSED_ACCUMULATION_MIN_NUMEL:
+            # A full backward of a small layer: plain autograd is cheaper on the host than
+            # the custom Function, and the second pass over a small .grad costs little.
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
         dev = x.device.type

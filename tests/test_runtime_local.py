@@ -51,6 +51,44 @@ def test_W_actions_run_the_deferred_linear_weight_gemms(monkeypatch):
     assert pipe.num_deferrable == (2, 2)
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_large_linears_accumulate_every_weight_grad_fused_and_match_the_reference(
+    monkeypatch, hooked
+):
+    # Above FUSED_ACCUMULATION_MIN_NUMEL (lowered here to take in the test's small layers) a
+    # full backward accumulates into .grad in the GEMM, like W: every Linear backward of the
+    # step, B or I + W, overlap hook or not, goes through _accumulate_weight_grad.
+    from graphpipe import weightgrad
+
+    monkeypatch.setattr(weightgrad, "FUSED_ACCUMULATION_MIN_NUMEL", 1)
+    calls = []
+    real = weightgrad._accumulate_weight_grad
+
+    def counting(module, x, g):
+        calls.append(module)
+        real(module, x, g)
+
+    monkeypatch.setattr(weightgrad, "_accumulate_weight_grad", counting)
+    stages = build_stages(2)
+    run = stages
+    if hooked:
+        run = []
+        for s in stages:
+            h = HookedBlock(8, s.index, s.num_stages).double()
+            h.load_state_dict(s.state_dict())
+            run.append(h)
+    m = 4
+    pipe = graphpipe.DualPipeV(local_stages(run, 0, 1), num_microbatches=m, loss_fn=mse)
+    x, y = batch(8)
+    loss = pipe.step(x, y)
+    assert len(calls) == sum(pipe.num_deferrable) * m  # every Linear, every micro-batch
+    ref_loss, ref_grads, _ = reference(stages, x, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for i, s in enumerate(run):
+        for name, p in s.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[(i, name)], rtol=1e-12, atol=1e-14)
+
+
 class HookedBlock(Block):
     calls: ClassVar[list] = []
 

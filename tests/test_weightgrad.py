@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphpipe.weightgrad import DeferrableLinear, WeightGradStore, make_deferrable
+from graphpipe.weightgrad import (
+    FUSED_ACCUMULATION_MIN_NUMEL,
+    DeferrableLinear,
+    WeightGradStore,
+    make_deferrable,
+)
 
 
 def _pair(bias: bool = True):
@@ -165,3 +173,89 @@ def test_a_custom_layer_defers_its_weight_grad_through_the_store_hook():
     plain.store = WeightGradStore()  # not deferring: defer() returns False, work runs at once
     plain(x.detach()).sum().backward()
     torch.testing.assert_close(plain.weight.grad, x.detach().sum().reshape(1))
+
+
+class _AtenLog(TorchDispatchMode):
+    """Records ``(op name, shape of the first argument)`` of every aten op run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        self.ops.append(
+            (func.overloadpacket.__name__, tuple(first.shape) if first is not None else ())
+        )
+        return func(*args, **(kwargs or {}))
+
+
+def _big_pair() -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(0)
+    out_f, in_f = 512, FUSED_ACCUMULATION_MIN_NUMEL // 512
+    ref = nn.Linear(in_f, out_f).double()
+    lin = nn.Linear(in_f, out_f).double()
+    lin.load_state_dict(ref.state_dict())
+    return ref, lin
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_weight_grads_accumulate_inside_the_gemm(deferred):
+    # The second micro-batch's weight gradient goes into .grad as one addmm_ (beta = 1): no
+    # weight-sized temporary, no second pass over .grad; for a full backward (B) too, when the
+    # layer is large.
+    ref, lin = _big_pair()
+    store = WeightGradStore()
+    make_deferrable(lin, store)
+    store.split = deferred
+    store.accumulating = not deferred  # as the executor sets it around a B
+    xs = [torch.randn(3, lin.in_features, dtype=torch.float64) for _ in range(2)]
+    gs = [torch.randn(3, lin.out_features, dtype=torch.float64) for _ in range(2)]
+    for x, g in zip(xs, gs, strict=True):
+        ref(x).backward(g)
+    log = _AtenLog()
+    for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
+        y = lin(x)
+        assert "LinearFn" in type(y.grad_fn).__name__  # not plain autograd
+        if deferred:
+            with store.deferring(i):
+                y.backward(g)
+            assert lin.weight.grad is None or i == 1
+            with log if i == 1 else contextlib.nullcontext():
+                store.run(i)
+        else:
+            with log if i == 1 else contextlib.nullcontext():
+                y.backward(g)
+    weight = tuple(lin.weight.shape)
+    assert ("addmm_", weight) in log.ops, log.ops
+    assert not [op for op in log.ops if op[1] == weight and op[0] in ("add_", "add", "mm")]
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-14, atol=0)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-14, atol=0)
+
+
+def test_a_small_layer_in_a_full_backward_stays_plain_autograd():
+    ref, lin = _pair()
+    store = WeightGradStore()
+    make_deferrable(lin, store)
+    store.split = False
+    assert lin.weight.numel() < FUSED_ACCUMULATION_MIN_NUMEL
+    x = torch.randn(3, 5, dtype=torch.float64)
+    y = lin(x)
+    assert "LinearFn" not in type(y.grad_fn).__name__
+    y.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-14, atol=0)
+
+
+def test_outside_the_executor_a_large_layer_hands_its_weight_grad_to_autograd():
+    # torch.autograd.grad on a stage used on its own must still get the weight gradient.
+    ref, lin = _big_pair()
+    make_deferrable(lin, WeightGradStore())
+    for split in (True, False):
+        lin.__dict__["_wgrad_store"].split = split
+        x = torch.randn(3, lin.in_features, dtype=torch.float64)
+        got = torch.autograd.grad(lin(x).sum(), [lin.weight, lin.bias])
+        want = torch.autograd.grad(ref(x).sum(), [ref.weight, ref.bias])
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-14, atol=0)
+        assert lin.weight.grad is None

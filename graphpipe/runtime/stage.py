@@ -231,9 +231,14 @@ class StageRunner:
 
     def backward_full(self, li: int, mb: int) -> None:
         tensors, grads = self._backward_operands(li, mb)
-        self.stores[li].split = self.split[li][mb]  # an activation checkpoint recomputes F
+        store = self.stores[li]
+        store.split = self.split[li][mb]  # an activation checkpoint recomputes F
         if tensors:
-            _backward(tensors, grads)
+            store.accumulating = True  # large Linears accumulate their weight grads fused
+            try:
+                _backward(tensors, grads)
+            finally:
+                store.accumulating = False
         self._finish_backward(li, mb)
 
     def backward_input(self, li: int, mb: int) -> None:
@@ -265,7 +270,11 @@ class StageRunner:
             self.stores[fli].split = self.split[fli][fmb]
             tensors, grads = self._backward_operands(bli, bmb)
             if full:
-                y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
+                self.stores[bli].accumulating = True
+                try:
+                    y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
+                finally:
+                    self.stores[bli].accumulating = False
             else:
                 with self.stores[bli].deferring((self.stage_ids[bli], bmb)):
                     y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
