@@ -30,7 +30,9 @@ class _StageTimer:
         self.out: Any = None
         self.grad: Any = None
 
-    def forward(self) -> None:
+    def forward(self, split: bool = False) -> None:
+        """As the executor runs it: ``split`` for a micro-batch whose backward is I + W."""
+        self.store.split = split
         x = self.x_in
         x = x.detach().requires_grad_() if x.is_floating_point() else x
         out = self.mod(x)
@@ -40,7 +42,11 @@ class _StageTimer:
         self.grad = torch.ones_like(out) if self.loss is not None else torch.randn_like(out)
 
     def backward(self) -> None:
-        torch.autograd.backward(self.out, self.grad)
+        self.store.accumulating = True  # as the executor's B: large Linears fuse into .grad
+        try:
+            torch.autograd.backward(self.out, self.grad)
+        finally:
+            self.store.accumulating = False
 
     def backward_input(self) -> None:
         with self.store.deferring(self.key):
@@ -65,7 +71,7 @@ def stage_costs(
         for _ in range(reps):
             times["F"].append(wall_time(timer.forward, device))
             times["B"].append(wall_time(timer.backward, device))
-            timer.forward()
+            timer.forward(split=True)
             times["I"].append(wall_time(timer.backward_input, device))
             times["W"].append(wall_time(timer.weight, device))
         for key, ts in times.items():
