@@ -175,12 +175,11 @@ class DeferrableLinear(nn.Linear):
     _wgrad_store: WeightGradStore | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        store = self.__dict__.get("_wgrad_store")
-        if store is None or not torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        if not store.split and self.weight.numel() < FUSED_ACCUMULATION_MIN_NUMEL:
-            # A full backward of a small layer: plain autograd is cheaper on the host than
-            # the custom Function, and the second pass over a small .grad costs little.
+        d = self.__dict__
+        store = d.get("_wgrad_store")
+        # A full backward (not split) of a small layer takes plain autograd: cheaper on the
+        # host than the custom Function, and the second pass over a small .grad costs little.
+        if store is None or not (store.split or d["_wgrad_fused"]) or not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
         dev = x.device.type
@@ -234,6 +233,7 @@ def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
             m.__class__ = DeferrableLinear
         if type(m) is DeferrableLinear:
             m.__dict__["_wgrad_store"] = store
+            m.__dict__["_wgrad_fused"] = m.weight.numel() >= FUSED_ACCUMULATION_MIN_NUMEL
             count += 1
         elif callable(bind := getattr(m, "bind_weight_grad_store", None)):
             bind(store)
