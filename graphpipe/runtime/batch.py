@@ -78,7 +78,6 @@ class BatchAgreement:
         self.m = num_microbatches
         self.input_dtype = input_dtype
         self._flags = 2 * _PART + 1
-        self._buf = torch.zeros(self._flags + 3 * num_ranks, dtype=torch.int64)
 
     def _check_dtype(self, inputs: Any, device_type: str) -> None:
         if self.input_dtype is None or torch.is_autocast_enabled(device_type):
@@ -102,34 +101,37 @@ class BatchAgreement:
         """The agreed signature and loss dtype of call number ``call`` (``step`` when
         ``train``, else ``forward``); raises on every rank if a rank rejects the batch or the
         ranks are not in the same call."""
-        buf, n, f = self._buf, self.num_ranks, self._flags
-        buf.zero_()
+        n, f = self.num_ranks, self._flags
+        # Filled as a Python list (a torch op per word would cost more than the step's
+        # bookkeeping); a tensor only for the all-reduce.
+        vals = [0] * (f + 3 * n)
         err: Exception | None = None
         try:
             if self.rank == self.input_rank:
                 sig = _part("inputs", inputs, self.m)
                 self._check_dtype(inputs, device_type)
-                buf[0] = len(sig)
-                buf[1 : 1 + len(sig)] = torch.tensor(sig)
+                vals[0] = len(sig)
+                vals[1 : 1 + len(sig)] = sig
             if train and self.rank == self.loss_rank:
                 sig = _part("labels", labels, self.m)
-                buf[_PART] = len(sig)
-                buf[_PART + 1 : _PART + 1 + len(sig)] = torch.tensor(sig)
-                buf[2 * _PART] = DTYPE_CODE[loss_dtype] + 1
+                vals[_PART] = len(sig)
+                vals[_PART + 1 : _PART + 1 + len(sig)] = sig
+                vals[2 * _PART] = DTYPE_CODE[loss_dtype] + 1
         except (ValueError, TypeError) as e:
             err = e
-            buf[f + self.rank] = 1
-        buf[f + n + self.rank] = 1 if train else 2
-        buf[f + 2 * n + self.rank] = call
+            vals[f + self.rank] = 1
+        vals[f + n + self.rank] = 1 if train else 2
+        vals[f + 2 * n + self.rank] = call
         if n > 1:
             control = self.groups.control
+            buf = torch.tensor(vals, dtype=torch.int64)
             try:
                 if control is None:
                     raise RuntimeError("the pipeline's process groups were dropped")
                 control.allreduce([buf]).wait()
             except RuntimeError as e:
                 raise CommFailure(None, "batch agreement", e.with_traceback(None)) from None
-        vals = buf.tolist()
+            vals = buf.tolist()
         kinds, calls = vals[f + n : f + 2 * n], vals[f + 2 * n : f + 3 * n]
         if len(set(kinds)) > 1 or len(set(calls)) > 1:
             what = {1: "step()", 2: "forward()"}
