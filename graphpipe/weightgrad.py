@@ -28,14 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferrableLinear", "WeightGradStore", "make_deferrable", "no_defer"]
+__all__ = [
+    "FUSED_ACCUMULATION_MIN_NUMEL",
+    "DeferrableLinear",
+    "WeightGradStore",
+    "make_deferrable",
+    "no_defer",
+]
 
 _NO_DEFER = "_graphpipe_no_defer"
 
 # From this many weight elements (512 x 512) a full backward (B) also goes through the custom
 # Function, to accumulate its weight gradient into .grad in the GEMM (see
 # _accumulate_weight_grad). Below, the Function's host cost (~15 us on a CPU) outweighs the
-# pass over .grad it saves; above, the pass costs up to as much as the GEMM.
+# pass over .grad it saves; above, the pass costs up to as much as the GEMM. Read when a
+# pipeline is built (make_deferrable): set it before, e.g. to 0 for a captured step, whose
+# replay has no host cost.
 FUSED_ACCUMULATION_MIN_NUMEL = 1 << 18
 
 
