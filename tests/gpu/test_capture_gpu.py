@@ -90,9 +90,12 @@ def _one_rank_diffs(twin: _Twin, granularity: str, steps: int = 5) -> list[dict[
     return out
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["autograd-B", "fused-B"])
 @pytest.mark.parametrize("granularity", ["step", "action"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_one_rank_capture_replays_bitwise_equal_to_eager(granularity, dtype):
+def test_one_rank_capture_replays_bitwise_equal_to_eager(granularity, dtype, fused, monkeypatch):
+    if fused:  # every Linear's B accumulates its weight gradient inside the GEMM (cuBLAS)
+        monkeypatch.setattr("graphpipe.weightgrad.FUSED_ACCUMULATION_MIN_NUMEL", 0)
     per_step = _one_rank_diffs(_mlp_twin(dtype), granularity)
     problems = [f"step {i}: {k} {d!r}" for i, s in enumerate(per_step) for k, d in s.items() if d]
     assert problems == []
