@@ -15,7 +15,8 @@
 #   install           pip install --no-deps --no-build-isolation --no-index -e . (fallback:
 #                     a graphpipe/kernels link), so that graphpipe.kernels imports
 #   capture_llama     one-rank DualPipeV, capture="step"/"action" vs eager: residual MLP
-#                     (bitwise; autograd and fused B), built-in Llama with the Triton kernels in fp32 and bf16
+#                     (bitwise; autograd and fused B), built-in Llama with the Triton
+#                     kernels in fp32 and bf16
 #   moe_capture       one-rank DualPipeV of the MoE Llama (its overlapped pairs through the
 #                     stage's hook), captured per step and per action vs eager; EP 2 over
 #                     NCCL when two GPUs are visible
