@@ -23,13 +23,19 @@ posted, since a transfer starts only once both of its ends are posted:
 1. The plain rule (``early_receives=False``): step ``k``'s batch is the sends produced by
    compute ``k-1`` followed by the receives compute ``k`` needs; one last
    ``Step(comms, None)`` flushes the sends of the final compute.
-2. ``post_receives_early`` (the default): time the computes by data dependencies alone
-   (``graphpipe.timing``, with ``durations`` and ``latency``), and post each receive in the
-   last batch the receiver issues no later than the moment its data is sent, so that the
-   transfer starts the moment the data exists. Receives only move earlier. Then, per directed
-   rank pair, receives are posted in the order the messages are sent (a receive read late is
-   posted no later than the receive of any message sent after it): every directed rank pair
-   is one FIFO, which is what one communicator per directed rank pair needs.
+2. ``post_receives_early`` (the default, ``receives="timed"``): time the computes by data
+   dependencies alone (``graphpipe.timing``, with ``durations`` and ``latency``), and post
+   each receive in the last batch the receiver issues no later than the moment its data is
+   sent, so that the transfer starts the moment the data exists. Receives only move earlier.
+   Then, per directed rank pair, receives are posted in the order the messages are sent (a
+   receive read late is posted no later than the receive of any message sent after it):
+   every directed rank pair is one FIFO, which is what one communicator per directed rank
+   pair needs.
+3. ``receives="start"``: every receive in the first batch of the step, in send order per
+   directed rank pair. No timing to get wrong: every send finds its receive posted. What it
+   costs is memory: every incoming message's buffer lives from the start of the step. The
+   runtime's default on gloo, whose rendezvous makes a send that comes before its receive
+   wait for a hop through the sender's device thread (``Pipeline(receives=...)``).
 
 ``transfers`` groups the messages of each directed rank pair into *transfers*: the longest
 runs of consecutive messages that leave in one batch of the sender and arrive in one batch of
@@ -49,6 +55,7 @@ from graphpipe.schedules import Placement
 from graphpipe.timing import Durations, dataflow_times
 
 __all__ = [
+    "RECEIVES",
     "Step",
     "Transfer",
     "channel",
@@ -131,6 +138,10 @@ def comms_produced(compute: Action, placement: Placement) -> tuple[Action, ...]:
     return tuple(c for p in compute.parts() for c in _remote_comm(_PRODUCES, p, placement))
 
 
+RECEIVES = ("timed", "start")
+"""When ``lower`` posts the receives (see the module doc)."""
+
+
 def lower(
     schedule: Mapping[int, Sequence[Action]],
     placement: Placement,
@@ -138,17 +149,21 @@ def lower(
     durations: Durations | None = None,
     latency: float = 0.0,
     early_receives: bool = True,
+    receives: str = "timed",
 ) -> dict[int, list[Step]]:
     """Add communication: per rank, one ``Step`` per compute cell plus a final flush if needed.
 
     ``early_receives=False`` gives the plain rule (step k: sends of compute k-1, receives of
-    compute k). The default then applies ``post_receives_early``, timed with ``durations``
-    (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and ``latency`` per message.
+    compute k). Otherwise ``receives="timed"`` (the default) applies ``post_receives_early``,
+    timed with ``durations`` (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and
+    ``latency`` per message, and ``receives="start"`` posts every receive at the start.
     """
+    if receives not in RECEIVES:
+        raise ValueError(f"receives must be one of {RECEIVES}, got {receives!r}")
     lowered = _lower_plain(schedule, placement)
     if not early_receives:
         return lowered
-    return post_receives_early(lowered, placement, durations, latency)
+    return post_receives_early(lowered, placement, durations, latency, at_start=receives == "start")
 
 
 def _lower_plain(
@@ -230,10 +245,12 @@ def post_receives_early(
     placement: Placement,
     durations: Durations | None = None,
     latency: float = 0.0,
+    at_start: bool = False,
 ) -> dict[int, list[Step]]:
     """Post each receive in the last batch its rank issues, in the dataflow timing, no later
-    than the moment its data is sent; keep receives in send order per directed rank pair; order
-    each batch as sends, then receives by (sender's step, place in the sender's batch).
+    than the moment its data is sent (``at_start``: in the first batch); keep receives in send
+    order per directed rank pair; order each batch as sends, then receives by (sender's step,
+    place in the sender's batch).
 
     Sends never move; receives only move earlier. Pure: returns new Steps. A receive whose
     data cannot be timed (a dependency cycle) stays where it is, for ``simulate`` to report.
@@ -257,6 +274,9 @@ def post_receives_early(
                     continue
                 where[c] = k
                 on_edge[_edge(c, r, placement)].append(c)
+                if at_start:
+                    where[c] = 0
+                    continue
                 ready = times.done.get(_sent_data(c))
                 if ready is not None and k < len(issued[r]):
                     where[c] = max(0, bisect.bisect_right(issued[r], ready, hi=k + 1) - 1)

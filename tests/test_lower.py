@@ -152,14 +152,15 @@ def test_every_rank_pair_receives_in_the_order_it_sends(name, n, m) -> None:
     assert sent == got
 
 
+@pytest.mark.parametrize("receives", ["timed", "start"])
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("n", range(2, 9))
-def test_transfers_are_grouped_the_same_at_both_ends(name: str, n: int) -> None:
+def test_transfers_are_grouped_the_same_at_both_ends(name: str, n: int, receives: str) -> None:
     # One transfer is one NCCL group (or gloo packet) at each end: NCCL calls a group whose
     # ops are grouped differently at the two ends undefined (NVIDIA/nccl#1279).
     for m in sorted({2 * n, 2 * n + 1, 3 * n + 2, 20}):
         schedule, placement = SCHEDULES[name](n, m)
-        lowered = lower(schedule, placement)
+        lowered = lower(schedule, placement, receives=receives)
         found = transfers(lowered, placement)
         seen: Counter = Counter()
         for t in found:
@@ -247,3 +248,31 @@ def test_lower_rejects_comm_actions_in_a_compute_only_schedule() -> None:
     placement = Placement.from_style(2, "loop")
     with pytest.raises(ValueError, match="compute-only"):
         lower({0: [Action(0, Op.SEND_F, 0)], 1: []}, placement)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_receives_at_start_are_all_in_the_first_batch_and_run_as_dataflow(name: str) -> None:
+    # Posted at the start, every receive waits only for its data: with free P2P the run is
+    # pure dataflow, with latency it lands where dataflow puts it, as with timed receives.
+    for n in (2, 3, 5):
+        schedule, placement = SCHEDULES[name](n, 3 * n + 1)
+        timed = lower(schedule, placement)
+        start = lower(schedule, placement, receives="start")
+        for rank, steps in start.items():
+            recvs = [c for k, s in enumerate(steps) for c in s.comms if c.op not in SENDS and k]
+            assert recvs == [], (rank, recvs)
+            sends = [[c for c in s.comms if c.op in SENDS] for s in steps]
+            assert sends == [[c for c in s.comms if c.op in SENDS] for s in timed[rank]]
+            assert [s.compute for s in steps] == [s.compute for s in timed[rank]]
+        for costs in (Costs(F=1, B=3, I=2, W=1), Costs(F=1, B=2, FB=2.5, p2p=0.3)):
+            ideal = dataflow(schedule, placement, costs)
+            result = simulate(start, placement, costs)
+            assert result.makespan == pytest.approx(ideal.makespan), costs
+            for got, want in zip(result.ranks, ideal.ranks, strict=True):
+                assert got.idle == pytest.approx(want.idle), (costs, got.rank)
+
+
+def test_lower_rejects_an_unknown_receive_policy() -> None:
+    schedule, placement = SCHEDULES["1f1b"](2, 4)
+    with pytest.raises(ValueError, match=r"receives must be one of .* got 'soon'"):
+        lower(schedule, placement, receives="soon")

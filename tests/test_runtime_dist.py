@@ -23,6 +23,7 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
         num_microbatches=case["m"],
         loss_fn=mse,
         per_edge_groups=case.get("per_edge", False),
+        receives=case.get("receives"),
     )
     # The NCCL way of the first step (handshake over the control group through host memory,
     # then one warm-up exchange per channel), exercised here over gloo.
@@ -42,7 +43,15 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
     }
     out = pipe.forward(x if rank == 0 else None)
     packed = sum(t.packable() for t in [*pipe._train.sends, *pipe._train.recvs])
-    return {"losses": losses, "grads": grads, "out": out, "packed": packed}
+    recv_steps = sorted({pipe._train.posted_at[id(t)] for t in pipe._train.recvs})
+    return {
+        "losses": losses,
+        "grads": grads,
+        "out": out,
+        "packed": packed,
+        "receives": pipe.receives,
+        "recv_steps": recv_steps,
+    }
 
 
 def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -65,6 +74,12 @@ def _check(world: int, case: dict, per_rank: list[dict]) -> None:
     # every parameter of every stage was checked on some rank
     checked = {k for res in per_rank for k in res["grads"]}
     assert checked == set(ref_grads)
+    # gloo's default posts every receive at the start of the step; "timed" spreads them out
+    want = case.get("receives") or "start"
+    assert all(res["receives"] == want for res in per_rank)
+    if world > 1:
+        steps = [res["recv_steps"] for res in per_rank]
+        assert all(s == [0] for s in steps) if want == "start" else any(len(s) > 1 for s in steps)
     if world > 1 and case.get("steps", 1) > 1:
         # later steps sent several messages per peer as one packet (gloo), and still match
         assert all(res["packed"] > 0 for res in per_rank)
@@ -78,13 +93,14 @@ CASES = {
     2: [
         dict(m=4, rows=8, tuple_io=False, tied=False),
         dict(m=5, rows=10, tuple_io=False, tied=True, steps=3),
-        dict(m=7, rows=7, tuple_io=True, tied=False),
+        dict(m=7, rows=7, tuple_io=True, tied=False, receives="timed"),
         dict(m=4, rows=8, tuple_io=True, tied=True, per_edge=True, steps=2),
         dict(m=5, rows=10, tuple_io=True, tied=False, staged=True, steps=2),
     ],
     4: [
         dict(m=8, rows=16, tuple_io=False, tied=True, steps=2),
         dict(m=9, rows=9, tuple_io=True, tied=False, per_edge=True, staged=True),
+        dict(m=8, rows=8, tuple_io=False, tied=False, receives="timed", steps=2),
     ],
 }
 

@@ -174,6 +174,7 @@ def test_forward_returns_the_concatenated_outputs_without_autograd_state():
         ),
         (lambda: _pipe(1), "num_microbatches must be >= 2"),
         (lambda: _pipe(2, capture="graph"), "capture must be"),
+        (lambda: _pipe(2, receives="soon"), r"receives must be one of .* got 'soon'"),
     ],
 )
 def test_bad_construction_raises_value_error_naming_the_value(make, match):

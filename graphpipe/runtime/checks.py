@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphpipe.lower import RECEIVES
+
 __all__ = [
     "CAPTURE_MODES",
     "check_arguments",
@@ -25,6 +27,7 @@ __all__ = [
     "float_dtype",
     "infer_device",
     "loss_dtype",
+    "resolve_receives",
     "seconds",
 ]
 
@@ -41,6 +44,17 @@ def check_arguments(num_microbatches: Any, loss_fn: Any, capture: Any) -> None:
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+
+
+def resolve_receives(receives: Any, nccl: bool) -> str:
+    """``Pipeline(receives=...)``: the value, or the backend's default ("start" on gloo, where a
+    send that comes before its receive waits for a hop through the sender's device thread;
+    "timed" on NCCL, where receive buffers then live shorter)."""
+    if receives is None:
+        return "timed" if nccl else "start"
+    if receives not in RECEIVES:
+        raise ValueError(f"receives must be one of {RECEIVES} or None, got {receives!r}")
+    return receives
 
 
 def check_stages(stages: Any, stage_ids: Sequence[int], rank: int, schedule_name: str) -> None:

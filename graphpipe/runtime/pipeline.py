@@ -37,6 +37,7 @@ from .checks import (
     float_dtype,
     infer_device,
     loss_dtype,
+    resolve_receives,
     seconds,
 )
 from .clipping import clip_in_step
@@ -78,9 +79,15 @@ class Pipeline:
         capture_optimizer: with capture, an optimizer over this rank's parameters whose step
             runs inside the step (in the graph on CUDA; it must be ``capturable=True`` there).
             Each step then zeroes the gradients in place first and steps the optimizer last.
-        costs: the expected action costs (``graphpipe.simulate.Costs``); the lowering times
-            the receives with them (each is posted just before its data is sent). Default:
-            F=1, B=2, I=1, W=1.
+        receives: when each receive is posted. ``"start"``: every receive of the step at its
+            start (the default on gloo, where a send that comes before its receive waits for
+            a hop through the sender's device thread: about 0.75x the step of "timed" on a
+            busy 2-core CPU; each incoming buffer then lives from the start of the step).
+            ``"timed"``: each just before its data is sent in the dataflow timing with
+            ``costs`` (the default on NCCL: receive buffers live shorter).
+        costs: the expected action costs (``graphpipe.simulate.Costs``); with
+            ``receives="timed"`` the lowering times the receives with them. Default: F=1,
+            B=2, I=1, W=1.
         dp_group: the data-parallel group: the ranks that run this rank's stages in the other
             replicas (``mesh.get_group("dp")`` of a ``("dp", "pp")`` DeviceMesh, with
             ``group=mesh.get_group("pp")``). Each stage's gradients are averaged over it as
@@ -127,6 +134,7 @@ class Pipeline:
         recapture: bool = False,
         capture_optimizer: torch.optim.Optimizer | None = None,
         costs: Costs | None = None,
+        receives: str | None = None,
         timeout: float | datetime.timedelta = 300.0,
         dp_group: dist.ProcessGroup | None = None,
         defer_weight_grads: bool = True,
@@ -139,6 +147,8 @@ class Pipeline:
         if not distributed and group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
         self.group = group if group is not None or not distributed else dist.group.WORLD
+        nccl = distributed and dist.get_backend(self.group) == "nccl"
+        self.receives = resolve_receives(receives, nccl)
         self.rank = dist.get_rank(self.group) if distributed else 0
         self.num_ranks = n = dist.get_world_size(self.group) if distributed else 1
         self.num_microbatches = m = num_microbatches
@@ -175,9 +185,15 @@ class Pipeline:
         self.num_deferrable = self.runner.num_deferrable
         durations = costs.of if costs is not None else None
         latency = costs.p2p if costs is not None else 0.0
-        lowered = lower(self.schedule, self.placement, durations=durations, latency=latency)
+        lowered = lower(
+            self.schedule,
+            self.placement,
+            durations=durations,
+            latency=latency,
+            receives=self.receives,
+        )
         train_transfers = transfers(lowered, self.placement)
-        infer_lowered = lower(forward_only(self.schedule), self.placement)
+        infer_lowered = lower(forward_only(self.schedule), self.placement, receives=self.receives)
         infer_transfers = transfers(infer_lowered, self.placement)
         edges = {(t.src, t.dst) for t in train_transfers}
         groups = PipelineGroups(
