@@ -151,17 +151,10 @@ def test_replay_refuses_grads_set_to_none():
 
 
 def _two_rank_case(rank: int, world: int, granularity: str) -> list[str]:
-    import os
-
-    import torch.distributed as dist
-
     import graphpipe
+    from tests.spawn import nccl_world
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.destroy_process_group()  # tests.spawn made a gloo world; this one needs NCCL
-    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = nccl_world(rank, world)  # tests.spawn made a gloo world; this one needs NCCL
     es = [s.to(dev) for s in local_stages(build_stages(4, 64), rank, world)]
     cs = [s.to(dev) for s in local_stages(build_stages(4, 64), rank, world)]
     eager = graphpipe.DualPipeV(es, num_microbatches=4, loss_fn=mse)

@@ -88,15 +88,11 @@ def test_one_rank_moe_capture_replays_like_eager(granularity):
 
 
 def _ep_case(rank: int, world: int, granularity: str) -> list[str]:
-    import os
-
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.destroy_process_group()  # tests.spawn made a gloo world; this one needs NCCL
-    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    from tests.spawn import nccl_world
+
+    dev = nccl_world(rank, world)  # tests.spawn made a gloo world; this one needs NCCL
     alone = [dist.new_group([r]) for r in range(world)]  # a one-rank pipeline per GPU
     problems = _twins(dev, granularity, ep_group=dist.group.WORLD, group=alone[rank])
     return [f"rank {rank}: {p}" for p in problems]
