@@ -2,6 +2,7 @@
 
 from .errors import PipelineClosed, PipelineError
 from .ir import Action, Op, load_csv
+from .roles import mark_expert
 from .runtime import DualPipeV, Pipeline, clip_grad_norm_
 from .schedules import dualpipev
 from .simulate import Costs
@@ -18,6 +19,7 @@ __all__ = [
     "clip_grad_norm_",
     "dualpipev",
     "load_csv",
+    "mark_expert",
     "no_defer",
 ]
 __version__ = "0.1.0"

@@ -73,7 +73,7 @@ def _bitwise_case(
         opt_e.step()
         opt_c.step()
     plan = captured.plan
-    packets = [t for t in [*captured._train.sends, *captured._train.recvs] if t.packable()]
+    packets = [t for t in [*captured.program.sends, *captured.program.recvs] if t.packable()]
     return {
         "packets": len(packets),
         "packets_on_plan": all(

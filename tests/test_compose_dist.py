@@ -83,7 +83,7 @@ def _eager_case(mesh, case: dict) -> dict:
         "grads": _grads(pipe, mine),
         "norm": pipe.grad_norm,
         "reduced": len(reduced),
-        "params": len(pipe._params()),
+        "params": len(pipe.parameters()),
     }
 
 

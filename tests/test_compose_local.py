@@ -152,7 +152,7 @@ def test_clip_grad_norm_in_the_captured_step_with_the_optimizer() -> None:
         for a, b in zip(params(es), params(cs)):
             assert torch.equal(a, b), f"step {step}"
     # the clipping is a named instruction at the end of the program
-    assert captured._train.instrs[-1][-1] == "clip_grad_norm"
+    assert captured.program.instrs[-1][-1] == "clip_grad_norm"
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_dp_group_without_torch_distributed_is_refused() -> None:
 
 def test_last_grad_steps_name_each_stages_last_backward_or_W() -> None:
     pipe = graphpipe.DualPipeV(local_stages(build_stages(2), 0, 1), num_microbatches=4, loss_fn=mse)
-    program = pipe._train
+    program = pipe.program
     last = program.last_grad_steps()
     for stage, k in last.items():
         later = [
@@ -206,7 +206,7 @@ def test_last_grad_steps_name_each_stages_last_backward_or_W() -> None:
 
 def test_call_after_runs_right_after_its_instruction() -> None:
     pipe = graphpipe.DualPipeV(local_stages(build_stages(2), 0, 1), num_microbatches=4, loss_fn=mse)
-    program = pipe._train
+    program = pipe.program
     seen: list[str] = []
     k = 2
     name = program.instrs[k][4]

@@ -42,8 +42,8 @@ def _pipeline_case(rank: int, world: int, case: dict) -> dict:
         for name, p in m.named_parameters(remove_duplicate=False)
     }
     out = pipe.forward(x if rank == 0 else None)
-    packed = sum(t.packable() for t in [*pipe._train.sends, *pipe._train.recvs])
-    recv_steps = sorted({pipe._train.posted_at[id(t)] for t in pipe._train.recvs})
+    packed = sum(t.packable() for t in [*pipe.program.sends, *pipe.program.recvs])
+    recv_steps = sorted({pipe.program.posted_at[id(t)] for t in pipe.program.recvs})
     return {
         "losses": losses,
         "grads": grads,

@@ -234,3 +234,27 @@ def test_the_memory_report_names_every_kind_after_the_warmup_step():
     assert stored["activations"] == 2 * 3 * 2 * (2 * 8) * 8
     assert stored["grads"] == 3 * (2 * 8) * 8  # stage 1's input gradients (stage 0 has none)
     assert f"{stored['activations']:,} bytes" in report
+
+
+def test_constructing_a_pipeline_imports_nothing_it_only_recognises():
+    """A one-rank construction must not import FSDP, DTensor or sympy (seconds of import in
+    every process) just to check whether a stage is wrapped: a module never imported cannot
+    have wrapped one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, graphpipe\n"
+        "before = set(sys.modules)\n"
+        "stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]\n"
+        "loss = lambda y, t: (y - t).pow(2).mean()\n"
+        "pipe = graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=loss)\n"
+        "pipe.step(torch.randn(4, 4), torch.randn(4, 4))\n"
+        "print(sorted(set(sys.modules) - before))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sympy'"
+        " or m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == ["[]", "[]"], out

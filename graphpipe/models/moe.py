@@ -27,8 +27,9 @@
   ``[E/ep, ep * C, H]``; a second all-to-all brings the outputs home. Every rank of the
   group must route micro-batches of the same number of tokens.
 
-**Expert parameters** (``w_gate``, ``w_up``, ``w_down``: this rank's experts, stacked) carry
-``param._graphpipe_expert = True`` (``is_expert_parameter``, ``expert_parameters``). Their
+**Expert parameters** (``w_gate``, ``w_up``, ``w_down``: this rank's experts, stacked) are
+marked with ``graphpipe.mark_expert(param, ep)`` (``is_expert_parameter``,
+``expert_parameters``), which is how the runtime learns of them. Their
 gradient on one rank already sums the contributions of every rank of its ``ep_group`` (the
 tokens came from all of them). Data parallelism must therefore treat them apart: see
 ``expert_parallel_groups`` for the groups and the rule.
@@ -47,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphpipe.roles import EXPERT_ATTR, ExpertGroups, expert_parallel_size, mark_expert
+from graphpipe.roles import is_expert as is_expert_parameter
 from graphpipe.weightgrad import _accumulate
 
 __all__ = [
@@ -64,9 +67,6 @@ __all__ = [
     "reset_dropped_tokens",
     "route_top_k",
 ]
-
-EXPERT_ATTR = "_graphpipe_expert"
-"""The attribute that marks a Parameter as expert-parallel (``True``)."""
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -233,7 +233,7 @@ class MoEMLP(nn.Module):
         """Set the expert marker on this rank's expert weights (again, after a conversion
         that made new Parameter objects)."""
         for p in (self.w_gate, self.w_up, self.w_down):
-            setattr(p, EXPERT_ATTR, True)
+            mark_expert(p, self.ep_size)
 
     def bind_weight_grad_store(self, store: Any) -> None:
         """graphpipe's hook: the experts' weight-gradient GEMMs defer through ``store``."""
@@ -299,11 +299,6 @@ class MoEMLP(nn.Module):
 # --------------------------------------------------------------------------- helpers
 
 
-def is_expert_parameter(param: torch.Tensor) -> bool:
-    """Whether ``param`` is an expert weight (sharded over the expert-parallel group)."""
-    return getattr(param, EXPERT_ATTR, False) is True
-
-
 def _modules(modules: Iterable[nn.Module] | nn.Module) -> list[nn.Module]:
     return [modules] if isinstance(modules, nn.Module) else list(modules)
 
@@ -356,27 +351,6 @@ def expert_layout(dp_ranks: Sequence[int], ep: int) -> tuple[list[list[int]], li
     blocks = [ranks[i : i + ep] for i in range(0, d, ep)]
     strides = [ranks[j::ep] for j in range(ep)]
     return blocks, strides
-
-
-class ExpertGroups(NamedTuple):
-    """This rank's expert groups (``expert_parallel_groups``); pass it to the pipeline as
-    ``expert_groups`` next to its ``dp_group``."""
-
-    ep_group: Any
-    """The ranks that share one copy of all the experts (``build_stages(ep_group=...)``)."""
-    expert_dp_group: Any
-    """The ranks that hold the same experts (one per ep group of the dp group)."""
-
-
-def expert_parallel_size(modules: Iterable[nn.Module] | nn.Module) -> int:
-    """The expert-parallel group size of the ``MoEMLP``s in ``modules`` (0: there are none);
-    ``ValueError`` when they differ."""
-    sizes = {m.ep_size for mod in _modules(modules) for m in mod.modules() if isinstance(m, MoEMLP)}
-    if len(sizes) > 1:
-        raise ValueError(
-            f"the MoE layers are sharded over groups of different sizes {sorted(sizes)}"
-        )
-    return sizes.pop() if sizes else 0
 
 
 def expert_parallel_groups(ep: int, dp_group: Any = None) -> ExpertGroups:

@@ -22,9 +22,9 @@ from graphpipe.errors import PipelineError
 from graphpipe.meta import DTYPE_CODE, DTYPES
 
 from .faults import CommFailure
-from .stage import as_tuple
+from .tensors import as_tuple
 
-__all__ = ["BatchAgreement", "split"]
+__all__ = ["BatchAgreement"]
 
 _PART = 64  # int64 words per part of the agreement buffer
 
@@ -158,11 +158,3 @@ class BatchAgreement:
             sig += vals[_PART + 1 : _PART + 1 + n_lab]
             loss_dtype = DTYPES[vals[2 * _PART] - 1]
         return tuple(sig), loss_dtype
-
-
-def split(part: Any, m: int, device: torch.device, unwrap: bool = False) -> list[Any]:
-    """``part`` (a tensor or tuple) on ``device``, chunked on dim 0 into ``m`` micro-batches;
-    ``unwrap``: a single tensor per micro-batch instead of a 1-tuple."""
-    chunks = [t.to(device, non_blocking=True).chunk(m) for t in as_tuple(part)]
-    mbs = [tuple(c[i] for c in chunks) for i in range(m)]
-    return [mb[0] for mb in mbs] if unwrap else mbs

@@ -13,30 +13,34 @@ Three visible phases per batch signature (shapes and dtypes of the batch):
    static step captured once with ``torch.cuda.graph`` and replayed (``graphs.py``).
 
 Owns: the captures (plans, bindings, graphs) and the capture stream. May touch: the
-engine's transfers (``static`` buffers), the runner's micro-batch inputs and labels, the
-engine's channel metadata (restored per capture). The graphs are released by ``close()``,
-or by a finalizer when the pipeline is dropped without it (NCCL >= 2.26 waits in
-``destroy_process_group`` for graphs that still reference a communicator).
+engine's transfers (``static`` buffers), the runner's micro-batch inputs and labels (and its
+recorder, during the warmup), the engine's channel metadata (restored per capture), the step
+loop's signature. It gets these parts from the facade; it never sees the ``Pipeline``. The
+graphs are released by ``close()``, or by a finalizer when the pipeline is dropped without
+it (NCCL >= 2.26 waits in ``destroy_process_group`` for graphs that still reference a
+communicator).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from graphpipe.meta import DTYPES, StepRecord, TensorMeta
 from graphpipe.plan import StaticPlan, build_plan
 
 from .comm import SendTransfer
-from .stage import as_tuple
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+from .context import RankContext
+from .program import Program
+from .step import StepLoop
+from .tensors import as_tuple
 
 __all__ = ["Capture", "CaptureDriver"]
 
@@ -98,67 +102,79 @@ def _release(captures: dict, device_type: str) -> None:
 
 
 class CaptureDriver:
-    """Captures and replays the training step of ``pipe``, one ``Capture`` per signature."""
+    """Captures and replays the training step, one ``Capture`` per batch signature.
 
-    def __init__(self, pipe: Pipeline, mode: str, recapture: bool) -> None:
-        self.pipe = pipe
+    ctx: the rank. loop: the step loop (the warmup is its eager step, the replay its static
+    step). program: the training program. runner / engine / loss: the parts whose buffers a
+    capture binds. mode: ``"step"`` or ``"action"`` (CUDA graphs per step or per action).
+    recapture: a new signature captures anew instead of raising.
+    """
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        loop: StepLoop,
+        program: Program,
+        runner: Any,
+        engine: Any,
+        loss: Any,
+        mode: str,
+        recapture: bool,
+    ) -> None:
+        self.ctx, self.loop, self.program = ctx, loop, program
+        self.runner, self.engine, self.loss = runner, engine, loss
         self.mode, self.recapture = mode, recapture
         self.captures: dict[tuple[int, ...], Capture] = {}
         self.active: Capture | None = None
-        self.stream = torch.cuda.Stream(pipe.device) if pipe.device.type == "cuda" else None
-        self._finalizer = weakref.finalize(self, _release, self.captures, pipe.device.type)
+        self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        self._finalizer = weakref.finalize(self, _release, self.captures, ctx.device.type)
 
     # ------------------------------------------------------------ the step
     def step(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
-        pipe = self.pipe
+        ctx = self.ctx
         cap = self.captures.get(sig)
         if cap is None:
             if self.captures and not self.recapture:
                 raise ValueError(mismatch(next(iter(self.captures)), sig))
             return self._warmup(sig, inputs, labels)
         self.activate(cap)
-        if pipe.is_input_rank:
+        if ctx.is_input_rank:
             for dst, src in zip(cap.plan.inputs, as_tuple(inputs), strict=True):
                 dst.copy_(src, non_blocking=True)
-        if pipe.is_loss_rank:
+        if ctx.is_loss_rank:
             for dst, src in zip(cap.plan.labels, as_tuple(labels), strict=True):
                 dst.copy_(src, non_blocking=True)
-        if pipe.device.type != "cuda":
-            self.static_step()  # CPU: no graph API; the static step itself is the replay
-            return pipe.loss.out
+        if ctx.device.type != "cuda":
+            self.loop.static(self.program)  # CPU: no graph API; the static step is the replay
+            return self.loss.out
         if cap.graphs is None:
             cap.graphs = self._capture_graphs()
         self._check_static_grads()
         self._replay(cap)
-        return pipe.loss.out
+        return self.loss.out
 
     def _warmup(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
         """An eager step on fresh buffers that records the metadata of what it touches; on
         CUDA on the capture stream (torch's whole-network capture recipe)."""
-        pipe = self.pipe
-        pipe.runner.recorder = StepRecord()
-        try:
-            pipe._zero_grads()
+        loop = self.loop
+        with self.runner.recording() as record:
+            loop.zero_grads()
             with self._on_capture_stream():
-                loss = pipe._eager_step(sig, inputs, labels, None).clone()
-                if pipe.optimizer is not None:
-                    pipe.optimizer.step()
-            record = pipe.runner.recorder
-        finally:
-            pipe.runner.recorder = None
+                loss = loop.train(self.program, sig, inputs, labels, None).clone()
+                if loop.optimizer is not None:
+                    loop.optimizer.step()
         self.captures[sig] = self._make(sig, record, inputs, labels)
         return loss
 
     def _on_capture_stream(self) -> Any:
         if self.stream is None:
-            return _Nothing()
-        self.stream.wait_stream(torch.cuda.current_stream(self.pipe.device))
-        return _JoinedStream(self.stream, self.pipe.device)
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.ctx.device))
+        return _JoinedStream(self.stream, self.ctx.device)
 
     # ---------------------------------------------------------------- plan
     def _make(self, sig: tuple[int, ...], record: StepRecord, inputs: Any, labels: Any) -> Capture:
-        pipe = self.pipe
-        program = pipe._train
+        ctx, program, engine = self.ctx, self.program, self.engine
         keys_at: list[list[tuple[str, int, int]]] = [[] for _ in program.steps]
         metas: dict[tuple[str, int, int], tuple[TensorMeta, ...]] = {}
         readers: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
@@ -175,7 +191,7 @@ class CaptureDriver:
                 key = ("send_packet" if send else "recv_packet", first.stage, first.microbatch)
                 ms = [m for msg in t.metas() for m in msg]
                 numel = sum(math.prod(m.shape) for m in ms)
-                metas[key] = (TensorMeta((numel,), ms[0].dtype, pipe.device),)
+                metas[key] = (TensorMeta((numel,), ms[0].dtype, ctx.device),)
                 if send:
                     until_end.append(key)
                     readers[key] = []
@@ -186,104 +202,92 @@ class CaptureDriver:
                 keys = []
                 for m in t.msgs:
                     key = (_RECV_KIND[m.forward], m.action.stage, m.mb)
-                    metas[key] = pipe.engine.metas[m.channel]
+                    metas[key] = engine.metas[m.channel]
                     keys.append(key)
             keys_at[k] += keys
             owners.append((t, keys, packed))
         plan_program = [(keys_at[k], s.compute) for k, s in enumerate(program.steps)]
-        dev = pipe.device
-        ins = (
-            tuple(TensorMeta.of(t).on(dev) for t in as_tuple(inputs)) if pipe.is_input_rank else ()
-        )
-        labs = (
-            tuple(TensorMeta.of(t).on(dev) for t in as_tuple(labels)) if pipe.is_loss_rank else ()
-        )
+        dev = ctx.device
+        ins = tuple(TensorMeta.of(t).on(dev) for t in as_tuple(inputs)) if ctx.is_input_rank else ()
+        labs = tuple(TensorMeta.of(t).on(dev) for t in as_tuple(labels)) if ctx.is_loss_rank else ()
         plan = build_plan(plan_program, metas, ins, labs, readers, until_end)
         bindings = [
             (t, plan.buffers[keys[0]][0] if flat else tuple(plan.buffers[k] for k in keys))
             for t, keys, flat in owners
         ]
-        mb_inputs = pipe._split(plan.inputs) if pipe.is_input_rank else []
-        unwrap = pipe.is_loss_rank and isinstance(labels, torch.Tensor)
-        mb_labels = pipe._split(plan.labels, unwrap=unwrap) if pipe.is_loss_rank else []
-        return Capture(sig, plan, record, dict(pipe.engine.metas), bindings, mb_inputs, mb_labels)
+        mb_inputs, mb_labels = self.loop.batch(
+            plan.inputs, plan.labels, unwrap=isinstance(labels, torch.Tensor)
+        )
+        return Capture(sig, plan, record, dict(engine.metas), bindings, mb_inputs, mb_labels)
 
     def activate(self, cap: Capture | None) -> None:
         """Point the program at ``cap``'s plan buffers (None: eager allocation)."""
         if cap is self.active:
             return
-        pipe = self.pipe
         if self.active is not None:
             for t, _ in self.active.bindings:
                 t.static = None
         if cap is not None:
             for t, bufs in cap.bindings:
                 t.static = bufs
-            pipe.engine.metas = dict(cap.metas)
-            pipe._signature = cap.sig
-            pipe.runner.begin(cap.mb_inputs, cap.mb_labels)
+            self.engine.metas = dict(cap.metas)
+            self.loop.signature = cap.sig
+            self.runner.begin(cap.mb_inputs, cap.mb_labels)
         self.active = cap
-
-    def static_step(self) -> None:
-        """The step on plan buffers only: what CUDA captures and what CPU runs as replay."""
-        pipe = self.pipe
-        pipe._zero_grads()
-        pipe.loss.prepare_seed(None)
-        pipe._run(pipe._train, False)
-        pipe.loss.reduce()
-        if pipe.optimizer is not None:
-            pipe.optimizer.step()
 
     # ---------------------------------------------------------------- CUDA
     def entries(self) -> list[tuple[str, Any, Any]]:
         """``(name, eager part, part to capture)`` per graph (``graphs.py``): the whole static
         step, or (mode ``action``) one graph per compute action, its P2P run eagerly before
         it."""
-        pipe = self.pipe
+        loop = self.loop
         if self.mode == "step":
-            return [("step", None, self.static_step)]
+            return [("step", None, functools.partial(loop.static, self.program))]
         entries: list[tuple[str, Any, Any]] = []
-        if pipe.optimizer is not None:
-            entries.append(("zero_grad", None, pipe._zero_grads))
-        for posts, waits, fn, args, name in pipe._train.instrs:
+        if loop.optimizer is not None:
+            entries.append(("zero_grad", None, loop.zero_grads))
+        for posts, waits, fn, args, name in self.program.instrs:
             eager = functools.partial(_call_all, posts + waits) if posts or waits else None
             entries.append((name or "p2p", eager, functools.partial(fn, *args) if fn else None))
-        entries.append(("wait sends", pipe.engine.finish, None))
-        entries.append(("loss", None, pipe.loss.reduce))
-        if pipe.optimizer is not None:
-            entries.append(("optimizer", None, pipe.optimizer.step))
+        entries.append(("wait sends", self.engine.finish, None))
+        entries.append(("loss", None, self.loss.reduce))
+        if loop.optimizer is not None:
+            entries.append(("optimizer", None, loop.optimizer.step))
         return entries
 
     def _capture_graphs(self) -> Any:
         from graphpipe.graphs import CapturedGraphs
 
-        pipe = self.pipe
-        params = pipe._params()
+        params = self.ctx.parameters()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._static_grads = [(p, p.grad) for p in params]
-        pipe.loss.prepare_seed(None)
+        self.loss.prepare_seed(None)
         torch.cuda.synchronize()
-        pipe._barrier()  # every rank enters capture together
-        engine = pipe.engine
+        self._barrier()  # every rank enters capture together
+        engine = self.engine
         engine.begin(False)
         engine.record_sends = self.mode == "action"
         try:
-            with _autocast_without_cache(pipe.device.type):
+            with _autocast_without_cache(self.ctx.device.type):
                 graphs = CapturedGraphs.capture(self.entries(), self.stream)
         finally:
             engine.record_sends = False
         torch.cuda.synchronize()
-        pipe._barrier()
+        self._barrier()
         return graphs
 
+    def _barrier(self) -> None:
+        if self.ctx.num_ranks > 1:
+            dist.barrier(group=self.ctx.group)
+
     def _replay(self, cap: Capture) -> None:
-        engine = self.pipe.engine
+        engine = self.engine
         engine.begin(False)
         engine.replay_sends = self.mode == "action"
         try:
-            cap.graphs.replay(self.pipe.ranges)
+            cap.graphs.replay(self.loop.ranges)
         finally:
             engine.replay_sends = False
 
@@ -299,7 +303,7 @@ class CaptureDriver:
     def close(self) -> None:
         """Synchronize, destroy every graph and plan (before the process group goes)."""
         self.activate(None)
-        _release(self.captures, self.pipe.device.type)
+        _release(self.captures, self.ctx.device.type)
 
     # --------------------------------------------------------------- views
     def memory_report(self) -> str:
@@ -333,17 +337,9 @@ def _autocast_without_cache(device_type: str) -> Any:
     """Re-enter the ambient autocast with its weight cache off: a cached cast made during
     capture would point at memory the graph does not own on replay."""
     if not torch.is_autocast_enabled(device_type):
-        return _Nothing()
+        return contextlib.nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
     return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class _JoinedStream:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.lower import RECEIVES
+from graphpipe.roles import ExpertGroups, expert_parallel_size
 
 __all__ = [
     "CAPTURE_MODES",
@@ -126,9 +127,7 @@ def loss_dtype(modules: Sequence[nn.Module]) -> torch.dtype:
 def check_expert_groups(modules: Sequence[nn.Module], expert_groups: Any) -> Any:
     """``expert_groups`` (None, or ``(ep_group, expert_dp_group)``), checked against the
     experts' own group size: sharded experts need it, and the sizes must agree."""
-    from graphpipe.models.moe import ExpertGroups, expert_parallel_size
-
-    ep = expert_parallel_size(modules)  # 0: no MoE layer on this rank
+    ep = expert_parallel_size(modules)  # 0: no expert parameter on this rank
     if expert_groups is None:
         if ep > 1:
             raise ValueError(

@@ -26,9 +26,9 @@ Rank layout with ``init_device_mesh(device, (D, N), mesh_dim_names=("dp", "pp"))
 rank ``d * N + p`` is pipeline rank ``p`` of replica ``d``; ``mesh.get_group("pp")`` is its
 pipeline and ``mesh.get_group("dp")`` its data-parallel group.
 
-**Expert parameters** (mixture of experts, ``graphpipe.models.moe``: marked
-``param._graphpipe_expert``) differ between the ranks of an expert-parallel group, so they are
-not averaged over ``dp_group``: with ``expert_groups`` (``expert_parallel_groups(ep,
+**Expert parameters** (mixture of experts: marked with ``graphpipe.mark_expert``, as
+``graphpipe.models``' MoE layers do) differ between the ranks of an expert-parallel group,
+so they are not averaged over ``dp_group``: with ``expert_groups`` (``expert_parallel_groups(ep,
 dp_group)``) their gradients are summed over its ``expert_dp_group`` (the replicas that hold
 the same experts; each copy already sums its ep group's replicas) and divided by the dp size,
 and the initial broadcast sends them over ``expert_dp_group`` only. Without
@@ -57,21 +57,21 @@ code.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphpipe.models.moe import is_expert_parameter
+from graphpipe.roles import is_expert
 
-from .faults import CommFailure, FaultNotices
+from .context import RankContext
+from .faults import CommFailure, FaultNotices, Faults
 from .groups import store_key
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+from .program import Program
 
 __all__ = ["DataParallel", "check_stage_wrappers"]
 
@@ -79,18 +79,16 @@ _CHECK_S = 0.05  # how often a rank waiting on the other replicas looks for a fa
 
 
 def _wrappers() -> tuple[tuple[type, str], ...]:
-    """``(class, what to say)`` for the data-parallel wrappers torch has in this build."""
+    """``(class, what to say)`` for the data-parallel wrappers that are loaded: a module that
+    was never imported cannot have wrapped a stage, and importing FSDP (with DTensor and
+    sympy) only to check costs seconds in every process."""
     out: list[tuple[type, str]] = []
-    if not dist.is_available():
-        return ()
-    from torch.nn.parallel import DistributedDataParallel
-
-    out.append((DistributedDataParallel, "DDP"))
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - every torch this project supports has both
-        return tuple(out)
-    out += [(FSDPModule, "FSDP2"), (FullyShardedDataParallel, "FSDP")]
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is not None:
+        out.append((ddp.DistributedDataParallel, "DDP"))
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        out += [(fsdp.FSDPModule, "FSDP2"), (fsdp.FullyShardedDataParallel, "FSDP")]
     return tuple(out)
 
 
@@ -159,17 +157,22 @@ class _Bucket:
 class DataParallel:
     """Averages a pipeline's gradients and loss over its data-parallel group.
 
-    ``DataParallel(pipe, dp_group)`` checks the groups, broadcasts the stages' state from the
-    first replica and hooks the reductions into ``pipe``'s training program (see the module
-    doc). ``bucket_cap_mb``: the largest bucket in MiB (a larger parameter is its own bucket).
-    ``expert_groups``: the ``ExpertGroups`` of stages with expert parameters.
+    ``DataParallel(ctx, program, ranges, faults, dp_group)`` checks the groups, broadcasts the
+    stages' state from the first replica and hooks the reductions into the training
+    ``program`` (see the module doc); ``faults``: the pipeline's (the replicas' failure
+    notices join it), ``ranges``: its ranges. ``bucket_cap_mb``: the largest bucket in MiB (a
+    larger parameter is its own bucket). ``expert_groups``: the ``ExpertGroups`` of stages with
+    expert parameters.
     """
 
     name = "dp grads"  # what a failure while waiting names (the program's ``wait dp grads``)
 
     def __init__(
         self,
-        pipe: Pipeline,
+        ctx: RankContext,
+        program: Program,
+        ranges: Any,
+        faults: Faults,
         dp_group: Any,
         bucket_cap_mb: float = 25.0,
         expert_groups: Any = None,
@@ -178,27 +181,26 @@ class DataParallel:
             raise ValueError("dp_group was given but torch.distributed is not initialized")
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
-        self.ranges = pipe.ranges
+        self.ranges = ranges
         # Failures of the other replicas (gloo): notices shared over the dp group, looked for
         # while waiting on its reductions (a CUDA wait is a stream dependency: no polling).
-        self.faults = pipe._faults
-        store = self.faults.notices.store
-        self.poll = self.size > 1 and pipe.device.type == "cpu" and store is not None
+        self.faults = faults
+        store = faults.notices.store
+        self.poll = self.size > 1 and ctx.device.type == "cpu" and store is not None
         if self.poll:
             key = store_key(dist.get_process_group_ranks(dp_group), "dp")
-            self.faults.replicas = FaultNotices(store, key, pipe.rank)
+            self.faults.replicas = FaultNotices(store, key, ctx.rank)
             self.faults.replica = dist.get_rank(dp_group)
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
-        self._check_layout(pipe)
-        self._sync_state(pipe.modules)
-        program = pipe._train
+        self._check_layout(ctx)
+        self._sync_state(ctx.modules)
         last = program.last_grad_steps()
-        ids = pipe.stage_ids
+        ids = ctx.stage_ids
         end = len(program.instrs) - 1
         at = {li: last.get(s, end) for li, s in enumerate(ids)}
         owner: dict[int, tuple[int, nn.Parameter]] = {}
         for li in sorted(at, key=lambda li: (at[li], li)):  # the later stage keeps a tied one
-            for p in pipe.modules[li].parameters():
+            for p in ctx.modules[li].parameters():
                 if p.requires_grad:
                     owner.pop(id(p), None)
                     owner[id(p)] = (li, p)
@@ -209,7 +211,7 @@ class DataParallel:
         experts: dict[int, list[nn.Parameter]] = {li: [] for li in at}
         apart = self.expert_group is not None  # else experts are replicated: like the rest
         for li, p in owner.values():
-            (experts if apart and is_expert_parameter(p) else by_stage)[li].append(p)
+            (experts if apart and is_expert(p) else by_stage)[li].append(p)
         for li in at:
             self.buckets[li] = _bucketize(by_stage[li], cap)
             self.expert_buckets[li] = _bucketize(experts[li], cap)
@@ -224,13 +226,13 @@ class DataParallel:
         program.append(waits=(self.wait,))
 
     # ------------------------------------------------------------------ setup
-    def _check_layout(self, pipe: Pipeline) -> None:
+    def _check_layout(self, ctx: RankContext) -> None:
         """Every member of ``dp_group`` must be the same pipeline rank of a same-size pipeline."""
-        mine = torch.tensor([pipe.rank, pipe.num_ranks], dtype=torch.int64)
+        mine = torch.tensor([ctx.rank, ctx.num_ranks], dtype=torch.int64)
         if self.size == 1:
             return
         if dist.get_backend(self.group) == "nccl":
-            mine = mine.to(pipe.device)
+            mine = mine.to(ctx.device)
         got = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(got, mine, group=self.group)
         seen = sorted({tuple(t.tolist()) for t in got})
@@ -254,7 +256,7 @@ class DataParallel:
                     if id(t) in seen:
                         continue
                     seen.add(id(t))
-                    if edp is None or not is_expert_parameter(t):
+                    if edp is None or not is_expert(t):
                         dist.broadcast(t.data, src=src, group=self.group)
                     elif dist.get_world_size(edp) > 1:  # the replicas with the same experts
                         dist.broadcast(t.data, src=esrc, group=edp)

@@ -8,64 +8,74 @@ CPU. The backward seed of every micro-batch is ``1 / M`` (scaled by a ``GradScal
 is given), so the gradients are those of the mean loss.
 
 Owns: the loss buffers (``losses``, ``seed``, ``out``). May touch: the stage runner's loss
-fields, the data-parallel part's loss average, the control group through ``Faults``.
+fields, the loss average it is given (the data-parallel part's), the control group through
+``Faults``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .context import RankContext
+
 __all__ = ["LossReducer"]
 
 
 class LossReducer:
-    """The loss buffers of one pipeline (allocated for a dtype once the ranks agree on it)."""
+    """The loss buffers of one pipeline rank (allocated for a dtype once the ranks agree on it).
 
-    def __init__(self, pipe: Any) -> None:
-        self.pipe = pipe
+    ctx: the rank. runner: the stage runner whose loss fields it fills and reads. faults: the
+    pipeline's failure handling (the broadcast over the control group goes through it).
+    ``average``: set by the data-parallel part, ``average(out)`` averages the loss rank's loss
+    over the replicas in place.
+    """
+
+    def __init__(self, ctx: RankContext, runner: Any, faults: Any) -> None:
+        self.ctx, self.runner, self.faults = ctx, runner, faults
         self.dtype: torch.dtype | None = None
         self.out: torch.Tensor | None = None
+        self.average: Callable[[torch.Tensor], None] | None = None
 
-    def ensure(self, dtype: torch.dtype) -> None:
-        """Buffers of ``dtype`` (kept while it stays; a change after capture is an error)."""
+    def ensure(self, dtype: torch.dtype, frozen: bool = False) -> None:
+        """Buffers of ``dtype`` (kept while it stays); ``frozen``: the buffers are captured,
+        so a change is an error."""
         if self.dtype == dtype:
             return
-        pipe = self.pipe
-        if pipe._capture.captures:
+        if frozen:
             raise ValueError(f"the loss dtype changed to {dtype} after capture")
         self.dtype = dtype
-        m, dev, runner = pipe.num_microbatches, pipe.device, pipe.runner
-        runner.losses = torch.zeros(m, dtype=dtype, device=dev)
-        runner.seed = torch.zeros((), dtype=dtype, device=dev)
-        self.out = torch.zeros((), dtype=dtype, device=dev)
+        ctx, runner = self.ctx, self.runner
+        runner.losses = torch.zeros(ctx.num_microbatches, dtype=dtype, device=ctx.device)
+        runner.seed = torch.zeros((), dtype=dtype, device=ctx.device)
+        self.out = torch.zeros((), dtype=dtype, device=ctx.device)
 
     def prepare_seed(self, scaler: Any) -> None:
         """The backward seed ``1 / M`` (scaled by ``scaler``) on the loss rank."""
-        pipe = self.pipe
-        runner = pipe.runner
-        if pipe.is_loss_rank:
-            runner.seed.fill_(1.0 / pipe.num_microbatches)
+        ctx, runner = self.ctx, self.runner
+        if ctx.is_loss_rank:
+            runner.seed.fill_(1.0 / ctx.num_microbatches)
             runner.backward_seed = scaler.scale(runner.seed) if scaler is not None else runner.seed
         elif scaler is not None:
-            scaler.scale(torch.zeros((), device=pipe.device))  # initializes its scale here too
+            scaler.scale(torch.zeros((), device=ctx.device))  # initializes its scale here too
 
     def reduce(self) -> torch.Tensor:
         """The mean loss into the static ``out``, broadcast from the loss rank."""
-        pipe, out = self.pipe, self.out
-        if pipe.is_loss_rank:
-            runner = pipe.runner
+        ctx, out = self.ctx, self.out
+        if ctx.is_loss_rank:
+            runner = self.runner
             torch.stack(runner.loss_parts, out=runner.losses)
-            runner.loss_parts = [None] * pipe.num_microbatches
+            runner.loss_parts = [None] * ctx.num_microbatches
             torch.mean(runner.losses, dim=0, out=out)
-            if pipe.data_parallel is not None:  # the mean over the replicas' loss ranks
-                pipe.data_parallel.average_loss(out)
-        if pipe.num_ranks == 1:
+            if self.average is not None:  # the mean over the replicas' loss ranks
+                self.average(out)
+        if ctx.num_ranks == 1:
             return out
-        if pipe.device.type == "cuda":  # on device: it runs inside captured graphs
-            dist.broadcast(out, src=pipe._global[pipe.loss_rank], group=pipe.group)
+        if ctx.device.type == "cuda":  # on device: it runs inside captured graphs
+            dist.broadcast(out, src=ctx.global_ranks[ctx.loss_rank], group=ctx.group)
             return out
-        pipe._faults.control("loss", lambda g: g.broadcast(out, pipe.loss_rank))
+        self.faults.control("loss", lambda g: g.broadcast(out, ctx.loss_rank))
         return out

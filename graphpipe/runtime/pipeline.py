@@ -1,10 +1,12 @@
 """The public facade: ``Pipeline`` (any schedule) and ``DualPipeV`` (the default one).
 
-A ``Pipeline`` puts the parts together: the schedule and its placement (``schedules``), the
-lowered program of this rank (``lower`` + ``program``), the stage runner (``stage``), the
-communication engine (``comm``) on its process groups (``groups``), the batch agreement
-(``batch``) and the capture driver (``capture``). It owns the step loop, the loss buffers and
-the user-facing checks; everything else is delegated.
+A ``Pipeline`` builds the parts and hands each the collaborators it uses, never itself: the
+schedule and its placement (``schedules``), the rank's context (``context``), the lowered
+program of this rank (``lower`` + ``program``), the stage runner (``stage``), the
+communication engine (``comm``) on its process groups (``groups``), the loss (``loss``), the
+step loop (``step``), the batch agreement (``batch``), the capture driver (``capture``) and
+the parts that run inside the step (``data_parallel``, ``clipping``). What it does itself is
+a call's frame: the user-facing checks, the batch agreement, and what a failure does.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from graphpipe.plan import StaticPlan
 from graphpipe.schedules import resolve_schedule
 from graphpipe.simulate import Costs
 
-from .batch import BatchAgreement, split
+from .batch import BatchAgreement
 from .capture import CaptureDriver
 from .checks import (
     CAPTURE_MODES,
@@ -40,16 +42,18 @@ from .checks import (
     resolve_receives,
     seconds,
 )
-from .clipping import clip_in_step
+from .clipping import GradClipper
 from .comm import CommEngine
+from .context import RankContext
 from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import PipelineGroups
 from .loss import LossReducer
-from .program import Program, compile_program
+from .program import compile_program
 from .stage import StageRunner
+from .step import StepLoop
 
-__all__ = ["DualPipeV", "Pipeline"]
+__all__ = ["DualPipeV", "Pipeline", "clip_grad_norm_"]
 
 
 class Pipeline:
@@ -163,15 +167,30 @@ class Pipeline:
         self.loss_rank = self.placement.rank_of(self.last_stage)
         self.is_input_rank = self.rank == self.input_rank
         self.is_loss_rank = self.rank == self.loss_rank
-        self.ranges = Ranges(use_nvtx)
+        self._ranges = Ranges(use_nvtx)
         self.device = infer_device(stages, self.group)
+        ctx = RankContext(
+            group=self.group if distributed else None,
+            rank=self.rank,
+            num_ranks=n,
+            global_ranks=tuple(dist.get_global_rank(self.group, r) for r in range(n))
+            if distributed
+            else (0,),
+            device=self.device,
+            modules=self.modules,
+            stage_ids=tuple(self.stage_ids),
+            num_microbatches=m,
+            input_rank=self.input_rank,
+            loss_rank=self.loss_rank,
+        )
+        self.context = ctx
         split_flags = [[False] * m for _ in self.stage_ids]
         local = {s: i for i, s in enumerate(self.stage_ids)}
         for cell in self.schedule[self.rank]:
             for part in cell.parts():
                 if part.op is Op.I:
                     split_flags[local[part.stage]][part.microbatch] = True
-        self.runner = StageRunner(
+        self.runner = runner = StageRunner(
             self.modules,
             self.stage_ids,
             self.last_stage,
@@ -181,8 +200,8 @@ class Pipeline:
             split_flags,
             defer_weight_grads,
         )
-        self.stores = self.runner.stores
-        self.num_deferrable = self.runner.num_deferrable
+        self.stores = runner.stores
+        self.num_deferrable = runner.num_deferrable
         durations = costs.of if costs is not None else None
         latency = costs.p2p if costs is not None else 0.0
         lowered = lower(
@@ -196,54 +215,55 @@ class Pipeline:
         infer_lowered = lower(forward_only(self.schedule), self.placement, receives=self.receives)
         infer_transfers = transfers(infer_lowered, self.placement)
         edges = {(t.src, t.dst) for t in train_transfers}
-        groups = PipelineGroups(
+        self.groups = groups = PipelineGroups(
             self.group if distributed else None,
             edges,
             per_edge_groups,
             datetime.timedelta(seconds=seconds(timeout)),
         )
-        self.groups = groups
-        self._global = groups.global_ranks
-        self.engine = CommEngine(
-            self.runner, self.rank, groups, self.device, self.ranges, staged=groups.nccl and n > 1
+        self.engine = engine = CommEngine(
+            runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
         )
-        self._faults = Faults(FaultNotices(groups.store, groups.key, self.rank), groups, self.rank)
-        self._train = compile_program(
-            lowered[self.rank], train_transfers, self.placement, self.rank, self.runner, self.engine
+        self._faults = faults = Faults(
+            FaultNotices(groups.store, groups.key, self.rank), groups, self.rank
+        )
+        self.program = compile_program(
+            lowered[self.rank], train_transfers, self.placement, self.rank, runner, engine
         )
         self._infer = compile_program(
-            infer_lowered[self.rank],
-            infer_transfers,
-            self.placement,
-            self.rank,
-            self.runner,
-            self.engine,
+            infer_lowered[self.rank], infer_transfers, self.placement, self.rank, runner, engine
         )
         # Parts that run inside the training step as instructions of its program.
         self.expert_groups = check_expert_groups(self.modules, expert_groups)
         self.data_parallel = (
-            DataParallel(self, dp_group, expert_groups=expert_groups)
+            DataParallel(
+                ctx, self.program, self._ranges, faults, dp_group, expert_groups=expert_groups
+            )
             if dp_group is not None
             else None
         )
-        self.grad_norm: torch.Tensor | None = None
+        self._clipper = GradClipper(ctx, self.expert_groups)
         self._clips = clip_grad_norm is not None
         if self._clips:
-            clip_in_step(self, clip_grad_norm, clip_norm_type)
+            self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type)
         self._agreement = BatchAgreement(
             groups, self.rank, n, self.input_rank, self.loss_rank, m, float_dtype(self.modules[0])
         )
-        self._signature: tuple[int, ...] | None = None
-        self._infer_signature: tuple[int, ...] | None = None
-        self._infer_metas: dict = {}
         self._loss_dtype = loss_dtype(self.modules)
-        self.loss = LossReducer(self)
+        self.loss = LossReducer(ctx, runner, faults)
+        if self.data_parallel is not None:
+            self.loss.average = self.data_parallel.average_loss
         check_capture_optimizer(capture_optimizer, capture, self.device)
         self.optimizer = capture_optimizer
+        self._loop = StepLoop(
+            ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
+        )
         self.capture = CAPTURE_MODES[capture]
-        self._capture = CaptureDriver(self, self.capture or "step", recapture)
+        mode = self.capture or "step"
+        self._capture = CaptureDriver(
+            ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture
+        )
 
-    # ------------------------------------------------------------------ setup
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Any, labels: Any, *, scaler: Any = None) -> torch.Tensor:
         """Run one training step; returns the mean loss (0-dim) on every rank.
@@ -268,10 +288,11 @@ class Pipeline:
             )
         sig, dtype = self._agree(inputs, labels, True)
         with self._guard():
-            self.loss.ensure(dtype)
+            self.loss.ensure(dtype, frozen=bool(self._capture.captures))
             if self.capture:
                 return self._capture.step(sig, inputs, labels)
-            return self._eager_step(sig, inputs, labels, scaler).clone()
+            self._capture.activate(None)
+            return self._loop.train(self.program, sig, inputs, labels, scaler).clone()
 
     def _agree(self, inputs: Any, labels: Any, train: bool) -> tuple[tuple[int, ...], Any]:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
@@ -302,67 +323,8 @@ class Pipeline:
         """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
         self.runner.drop_state()
         self.engine.abandon()
-        self._signature = self._infer_signature = None
+        self._loop.forget()
         self._capture.activate(None)
-
-    def _eager_step(self, sig: tuple[int, ...], inputs: Any, labels: Any, scaler: Any) -> Any:
-        handshake = sig != self._signature
-        self._signature = sig
-        self._capture.activate(None)
-        runner = self.runner
-        runner.infer = False
-        m, dev = self.num_microbatches, self.device
-        runner.begin(
-            split(inputs, m, dev) if self.is_input_rank else [],
-            split(labels, m, dev, isinstance(labels, torch.Tensor)) if self.is_loss_rank else [],
-        )
-        self.loss.prepare_seed(scaler)
-        self._run(self._train, handshake)
-        loss = self.loss.reduce()
-        if self.groups.nccl and self.num_ranks > 1:  # the loss went on the device: agree here
-            self._faults.control("end of step", lambda g: g.allreduce([torch.zeros(1)]))
-        if handshake and self.engine.staged:
-            self.engine.warm()
-        return loss
-
-    def _run(self, program: Program, handshake: bool) -> None:
-        ranges, engine = self.ranges, self.engine
-        depth = ranges.depth
-        ranges.push("step")
-        engine.begin(handshake)
-        name, comm = "", None
-        try:
-            for posts, waits, fn, args, name in program.instrs:
-                for comm in posts:
-                    comm()
-                for comm in waits:
-                    comm()
-                comm = None
-                if fn is not None:
-                    ranges.push(name)
-                    fn(*args)
-                    ranges.pop()
-            name = "wait sends"
-            engine.finish()
-            self._check_drained()
-        except BaseException:
-            # What this rank was doing: an action, or posting / waiting for a transfer.
-            if comm is not None:
-                name = f"{comm.__name__} {comm.__self__.name}"
-            self._faults.action = name or "the end of the step"
-            raise
-        finally:
-            ranges.unwind(depth)
-
-    def _check_drained(self) -> None:
-        left = self.runner.pending_weight_work()
-        if left:
-            for store in self.runner.stores:
-                store.clear()
-            raise RuntimeError(
-                f"the step ended with deferred weight-gradient work for {left}; the schedule "
-                "is missing W actions"
-            )
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> Any:
@@ -370,30 +332,7 @@ class Pipeline:
         runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline."""
         sig, _ = self._agree(inputs, None, False)
         with self._guard():
-            return self._forward(sig, inputs)
-
-    def _forward(self, sig: tuple[int, ...], inputs: Any) -> Any:
-        handshake = sig != self._infer_signature
-        self._infer_signature = sig
-        engine, runner = self.engine, self.runner
-        saved = engine.metas, runner.mb_inputs, runner.mb_labels
-        runner.begin(
-            split(inputs, self.num_microbatches, self.device) if self.is_input_rank else [], []
-        )
-        engine.metas = self._infer_metas
-        runner.infer = True
-        try:
-            self._run(self._infer, handshake)
-        finally:
-            runner.infer = False
-            engine.metas = saved[0]
-            runner.begin(saved[1], saved[2])
-        if not self.is_loss_rank:
-            return None
-        outs = [as_tuple_out(o) for o in runner.infer_outputs]
-        runner.infer_outputs = [None] * self.num_microbatches
-        cat = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
-        return cat[0] if len(cat) == 1 else cat
+            return self._loop.infer(self._infer, sig, inputs)
 
     def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         """``scaler.unscale_(optimizer)`` plus agreement on inf/NaN across the pipeline ranks.
@@ -403,33 +342,41 @@ class Pipeline:
         """
         scaler.unscale_(optimizer)
         if self.num_ranks > 1:
+            # GradScaler keeps what unscale_ found per device in this dict, with no public
+            # accessor; step() reads it from there.
             state = scaler._per_optimizer_states[id(optimizer)]
             for t in state["found_inf_per_device"].values():
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 
+    @property
+    def ranges(self) -> Ranges:
+        """The range emitter of the step, its actions and its waits (NVTX and the torch
+        profiler); assign a ``Ranges`` (a subclass that records, say) to stand in for it."""
+        return self._ranges
+
+    @ranges.setter
+    def ranges(self, value: Ranges) -> None:
+        self._ranges = self._loop.ranges = self.engine.ranges = value
+        if self.data_parallel is not None:
+            self.data_parallel.ranges = value
+
+    # ------------------------------------------------------------- the model
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, each once (a weight tied between two local
+        stages is one Parameter): what an optimizer of this rank takes."""
+        return self.context.parameters()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``graphpipe.clip_grad_norm_(self, max_norm, norm_type)``."""
+        return self._clipper.clip(max_norm, norm_type)
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """With ``clip_grad_norm``: the global gradient norm of the last step (before
+        clipping), a 0-dim tensor on every rank; None before the first step."""
+        return self._clipper.norm
+
     # ---------------------------------------------------------------- capture
-    def _zero_grads(self) -> None:
-        """With ``capture_optimizer``: gradients are zeroed in place at the start of a step."""
-        if self.optimizer is not None:
-            for p in self._params():
-                if p.grad is not None:
-                    p.grad.zero_()
-
-    def _barrier(self) -> None:
-        if self.num_ranks > 1:
-            dist.barrier(group=self.group)
-
-    def _params(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for mod in self.modules:
-            for p in mod.parameters():
-                if p.requires_grad:
-                    seen.setdefault(id(p), p)
-        return list(seen.values())
-
-    def _split(self, part: Any, unwrap: bool = False) -> list[Any]:
-        return split(part, self.num_microbatches, self.device, unwrap)
-
     def close(self) -> None:
         """Destroy captured graphs and plans; call before destroying the process group."""
         self._capture.close()
@@ -452,8 +399,17 @@ class Pipeline:
         return self._capture.memory_report()
 
 
-def as_tuple_out(o: Any) -> tuple:
-    return o if isinstance(o, tuple) else (o,)
+def clip_grad_norm_(pipe: Pipeline, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of ``pipe``'s parameters by their global norm; return the norm.
+
+    Call it on every rank of every replica after ``pipe.step`` (it all-reduces over the
+    pipeline group). The norm is the same 0-dim tensor on every rank (float32, or float64
+    when a gradient is float64), computed before clipping, as
+    ``torch.nn.utils.clip_grad_norm_`` over the model's unique parameters returns it. No host
+    synchronization: to clip inside a captured step, pass ``clip_grad_norm=max_norm`` to the
+    pipeline instead (the norm is then ``pipe.grad_norm``). See ``runtime/clipping.py``.
+    """
+    return pipe.clip_grad_norm_(max_norm, norm_type)
 
 
 class DualPipeV(Pipeline):

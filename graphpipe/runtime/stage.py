@@ -15,7 +15,8 @@ stage s reads the input gradient of stage s+1.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,25 +25,11 @@ from torch import nn
 from graphpipe.meta import StepRecord
 from graphpipe.weightgrad import WeightGradStore, make_deferrable
 
-__all__ = ["OVERLAP_HOOK", "StageRunner", "as_tuple"]
+from .tensors import Tensors, as_tuple
 
-Tensors = tuple[torch.Tensor, ...]
+__all__ = ["OVERLAP_HOOK", "StageRunner"]
+
 OVERLAP_HOOK = "overlapped_forward_backward"
-
-
-def as_tuple(x: Any, what: Any = "value") -> Tensors:
-    """``x`` as a tuple of tensors; ``TypeError`` naming ``what`` otherwise (a stage id: "the
-    output of stage N")."""
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    if isinstance(what, int):
-        what = f"the output of stage {what}"
-    got = type(x).__name__
-    if isinstance(x, (tuple, list)):
-        got += "[" + ", ".join(type(t).__name__ for t in x) + "]"
-    raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {got}")
 
 
 try:
@@ -301,6 +288,15 @@ class StageRunner:
         main.wait_stream(side)
 
     # --------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[StepRecord]:
+        """Record the metadata of every stage input, output and gradient while inside."""
+        self.recorder = record = StepRecord()
+        try:
+            yield record
+        finally:
+            self.recorder = None
+
     def begin(self, mb_inputs: list, mb_labels: list) -> None:
         self.mb_inputs, self.mb_labels = mb_inputs, mb_labels
 

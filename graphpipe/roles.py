@@ -1,0 +1,69 @@
+"""Parameter roles: what the runtime must know about a parameter, declared by the model.
+
+The runtime treats every parameter alike (its gradient is averaged over the data-parallel
+replicas, counted once in a clipped norm, broadcast from the first replica at start) except
+where the model says otherwise, through these markers. Models call them; the runtime reads
+them; neither knows the other.
+
+* ``mark_expert(param, ep_size)``: ``param`` holds this rank's share of a mixture-of-experts
+  layer's experts, sharded over an expert-parallel group of ``ep_size`` ranks (1: every rank
+  holds all the experts). Its gradient already sums the contributions of the whole ep group,
+  so data parallelism sums it over the replicas that hold the same experts only
+  (``Pipeline(expert_groups=...)``), and a global norm adds the shares of the ep group.
+
+Owns: the marker attributes. May touch: nothing else (pure functions of parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "EXPERT_ATTR",
+    "ExpertGroups",
+    "expert_parallel_size",
+    "is_expert",
+    "mark_expert",
+]
+
+EXPERT_ATTR = "_graphpipe_expert"
+"""The attribute ``mark_expert`` sets on a parameter: its expert-parallel group size."""
+
+
+class ExpertGroups(NamedTuple):
+    """This rank's expert groups (``graphpipe.models.expert_parallel_groups``); pass it to the
+    pipeline as ``expert_groups`` next to its ``dp_group``."""
+
+    ep_group: Any
+    """The ranks that share one copy of all the experts."""
+    expert_dp_group: Any
+    """The ranks that hold the same experts (one per ep group of the dp group)."""
+
+
+def mark_expert(param: torch.Tensor, ep_size: int = 1) -> torch.Tensor:
+    """Mark ``param`` as expert weights sharded over ``ep_size`` ranks; returns ``param``."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
+    setattr(param, EXPERT_ATTR, ep_size)
+    return param
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` was marked with ``mark_expert``."""
+    return bool(getattr(param, EXPERT_ATTR, 0))
+
+
+def expert_parallel_size(modules: Iterable[nn.Module] | nn.Module) -> int:
+    """The expert-parallel group size of the expert parameters in ``modules`` (0: none);
+    ``ValueError`` when they differ."""
+    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+    sizes = {getattr(p, EXPERT_ATTR) for m in mods for p in m.parameters() if is_expert(p)}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the expert parameters are sharded over groups of different sizes {sorted(sizes)}"
+        )
+    return int(sizes.pop()) if sizes else 0

@@ -1,0 +1,38 @@
+"""Tensor plumbing every part of the runtime shares: a value as a tuple of tensors, a batch
+split into micro-batches.
+
+Owns: nothing (pure functions). May touch: the tensors it is given, read-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Tensors", "as_tuple", "split"]
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tuple(x: Any, what: Any = "value") -> Tensors:
+    """``x`` as a tuple of tensors; ``TypeError`` naming ``what`` otherwise (a stage id: "the
+    output of stage N")."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    if isinstance(what, int):
+        what = f"the output of stage {what}"
+    got = type(x).__name__
+    if isinstance(x, (tuple, list)):
+        got += "[" + ", ".join(type(t).__name__ for t in x) + "]"
+    raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {got}")
+
+
+def split(part: Any, m: int, device: torch.device, unwrap: bool = False) -> list[Any]:
+    """``part`` (a tensor or tuple) on ``device``, chunked on dim 0 into ``m`` micro-batches;
+    ``unwrap``: a single tensor per micro-batch instead of a 1-tuple."""
+    chunks = [t.to(device, non_blocking=True).chunk(m) for t in as_tuple(part)]
+    mbs = [tuple(c[i] for c in chunks) for i in range(m)]
+    return [mb[0] for mb in mbs] if unwrap else mbs
