@@ -2,7 +2,7 @@
 
 from .errors import PipelineClosed, PipelineError
 from .ir import Action, Op, load_csv
-from .roles import mark_expert
+from .roles import mark_expert, mark_tied
 from .runtime import DualPipeV, Pipeline, clip_grad_norm_
 from .schedules import dualpipev
 from .simulate import Costs
@@ -20,6 +20,7 @@ __all__ = [
     "dualpipev",
     "load_csv",
     "mark_expert",
+    "mark_tied",
     "no_defer",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ coloring, which is optimal for interval graphs per metadata class).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,15 @@ BufferKey = tuple[str, int, int]
 several messages that travel as one flat buffer (gloo packets), ``"recv_packet"`` /
 ``"send_packet"`` keyed by the packet's first message."""
 
-KINDS = ("inputs", "labels", "recv_activation", "recv_grad", "recv_packet", "send_packet")
+KINDS = (
+    "inputs",
+    "labels",
+    "kwargs",
+    "recv_activation",
+    "recv_grad",
+    "recv_packet",
+    "send_packet",
+)
 
 
 @dataclass
@@ -43,7 +51,8 @@ class StaticPlan:
 
     buffers: receive buffers by ``(kind, stage, microbatch)``; shared allocations appear
         under several keys.
-    inputs / labels: the whole-batch static buffers on rank 0 (empty elsewhere).
+    inputs / labels: the whole-batch static buffers of the input and the loss rank (empty
+        elsewhere). kwargs: the whole-batch keyword tensors this rank uses, by name.
     lifetimes: ``(first, last)`` program index of each receive buffer.
     """
 
@@ -51,6 +60,7 @@ class StaticPlan:
     lifetimes: dict[BufferKey, tuple[int, int]]
     inputs: tuple[torch.Tensor, ...] = ()
     labels: tuple[torch.Tensor, ...] = ()
+    kwargs: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     allocations: int = 0
     _bytes: dict[str, int] = field(default_factory=dict)
     _naive: dict[str, int] = field(default_factory=dict)
@@ -69,6 +79,7 @@ class StaticPlan:
 
     def data_ptrs(self) -> set[int]:
         ptrs = {t.data_ptr() for ts in self.buffers.values() for t in ts}
+        ptrs |= {t.data_ptr() for ts in self.kwargs.values() for t in ts}
         return ptrs | {t.data_ptr() for t in self.inputs + self.labels}
 
     def report(self) -> str:
@@ -103,6 +114,7 @@ def build_plan(
     labels: Sequence[TensorMeta] = (),
     readers: dict[BufferKey, Sequence[tuple[int, int]]] | None = None,
     until_end: Sequence[BufferKey] = (),
+    kwargs: Mapping[str, Sequence[TensorMeta]] | None = None,
 ) -> StaticPlan:
     """Allocate the buffers of one step.
 
@@ -113,6 +125,7 @@ def build_plan(
         the key's own; an empty list: the buffer dies with its step).
     until_end: keys that live until the end of the step whatever reads them: send buffers,
         since a send completes in the background and is waited for at the end of the step.
+    kwargs: metadata of the whole-batch keyword tensors, by name.
     """
     end = _end_of_life([a for _, a in program])
     readers = readers or {}
@@ -148,14 +161,18 @@ def build_plan(
         buffers[key] = slot.tensors
     static_inputs = tuple(m.empty() for m in inputs)
     static_labels = tuple(m.empty() for m in labels)
-    for kind, ms in (("inputs", inputs), ("labels", labels)):
+    kwargs = kwargs or {}
+    static_kwargs = {name: tuple(m.empty() for m in ms) for name, ms in kwargs.items()}
+    kw_metas = [m for ms in kwargs.values() for m in ms]
+    for kind, ms in (("inputs", inputs), ("labels", labels), ("kwargs", kw_metas)):
         plan_bytes[kind] = naive[kind] = _nbytes(ms)
     return StaticPlan(
         buffers,
         lifetimes,
         static_inputs,
         static_labels,
-        allocations + len(static_inputs) + len(static_labels),
+        static_kwargs,
+        allocations + len(static_inputs) + len(static_labels) + len(kw_metas),
         plan_bytes,
         naive,
     )

@@ -10,6 +10,12 @@ them; neither knows the other.
   holds all the experts). Its gradient already sums the contributions of the whole ep group,
   so data parallelism sums it over the replicas that hold the same experts only
   (``Pipeline(expert_groups=...)``), and a global norm adds the shares of the ep group.
+* ``mark_tied(param, name)``: ``param`` is one copy of a weight that lives on several
+  pipeline ranks under one ``name`` (an input embedding tied to the output head when stage 0
+  and the last stage are on different ranks, as under 1F1B). The pipeline starts every copy
+  from the lowest rank's, sums the copies' gradients in every step, and counts the weight
+  once in a clipped norm (``runtime/tied.py``). Copies on one rank that are one Parameter
+  object need no mark.
 
 Owns: the marker attributes. May touch: nothing else (pure functions of parameters).
 """
@@ -24,14 +30,19 @@ from torch import nn
 
 __all__ = [
     "EXPERT_ATTR",
+    "TIED_ATTR",
     "ExpertGroups",
     "expert_parallel_size",
     "is_expert",
     "mark_expert",
+    "mark_tied",
+    "tied_name",
 ]
 
 EXPERT_ATTR = "_graphpipe_expert"
 """The attribute ``mark_expert`` sets on a parameter: its expert-parallel group size."""
+TIED_ATTR = "_graphpipe_tied"
+"""The attribute ``mark_tied`` sets on a parameter: its tie name."""
 
 
 class ExpertGroups(NamedTuple):
@@ -67,3 +78,16 @@ def expert_parallel_size(modules: Iterable[nn.Module] | nn.Module) -> int:
             f"the expert parameters are sharded over groups of different sizes {sorted(sizes)}"
         )
     return int(sizes.pop()) if sizes else 0
+
+
+def mark_tied(param: torch.Tensor, name: str) -> torch.Tensor:
+    """Mark ``param`` as one copy of the tied weight ``name``; returns ``param``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tie name must be a non-empty str, got {name!r}")
+    setattr(param, TIED_ATTR, name)
+    return param
+
+
+def tied_name(param: torch.Tensor) -> str | None:
+    """The tie name ``mark_tied`` gave ``param`` (None: not tied across ranks)."""
+    return getattr(param, TIED_ATTR, None)

@@ -1,19 +1,27 @@
-"""The batch: the ranks' agreement on it, and its split into micro-batches.
+"""The batch: the ranks' agreement on it before every call.
 
 Inputs live on the rank that runs stage 0 (the *input rank*), labels on the rank that runs
-the last stage (the *loss rank*); both are rank 0 for V schedules (DualPipeV, ZB-V). Before
-every step those ranks check their part, and all ranks agree, in one all-reduce over the gloo
-control group, on the batch *signature* (every tensor's shape and dtype), on the dtype of the
-loss, on whether any rank rejected the batch, and on which call (``step`` or ``forward``, and
-its number) every rank is in. A bad batch so raises on every rank, and no rank waits for a
-peer that gave up or called something else. May touch: the control group; nothing else.
+the last stage (the *loss rank*); both are rank 0 for V schedules (DualPipeV, ZB-V). Keyword
+tensors (``pipe.step(x, y, attention_mask=...)``) are given on every rank. Before every call
+those ranks check their part, and all ranks agree, in one all-reduce over the gloo control
+group, on the batch *signature* (every tensor's shape and dtype), on the dtype of the loss, on
+whether any rank rejected the batch, on which call (``step`` or ``forward``, and its number)
+every rank is in, on a digest of the keyword tensors' names, shapes and dtypes, and on which
+keywords some stage (or ``loss_fn``) takes. A bad batch so raises on every rank, and no rank
+waits for a peer that gave up or called something else; only when the keyword digests differ
+do the ranks exchange their descriptions (through the store) to name the rank and keyword.
+May touch: the control group, the store on that error; nothing else.
 
-Signature layout: ``(train, len(inputs), (dtype code, ndim, *shape) per input tensor,
-len(labels), (...) per label tensor)``; labels only when training.
+Signature: ``((train, len(inputs), (dtype code, ndim, *shape) per input tensor, len(labels),
+(...) per label tensor), keywords)``, labels only when training; ``keywords`` is
+``keywords_signature``'s ``((name, ((dtype code, *shape) per tensor)), ...)``.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,9 +32,29 @@ from graphpipe.meta import DTYPE_CODE, DTYPES
 from .faults import CommFailure
 from .tensors import as_tuple
 
-__all__ = ["BatchAgreement"]
+__all__ = ["BatchAgreement", "KwSig", "Signature", "describe_keywords", "keywords_signature"]
+
+KwSig = tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]
+"""A keywords signature (``keywords_signature``)."""
+Signature = tuple[tuple[int, ...], KwSig]
+"""A call's batch signature: the inputs' and labels' words, and the keywords signature."""
 
 _PART = 64  # int64 words per part of the agreement buffer
+
+
+def _check_rows(what: str, t: torch.Tensor, m: int) -> None:
+    """``t`` must split on dim 0 into ``m`` micro-batches and have a dtype that can travel."""
+    if t.dim() == 0:
+        raise ValueError(f"{what} is 0-dim: the batch is split on dim 0")
+    if t.shape[0] == 0:
+        raise ValueError(f"{what} of shape {list(t.shape)} holds no rows")
+    if t.shape[0] % m:
+        raise ValueError(
+            f"{what} of shape {list(t.shape)} does not split on dim 0 into "
+            f"num_microbatches={m} equal micro-batches"
+        )
+    if t.dtype not in DTYPE_CODE:
+        raise ValueError(f"{what} has unsupported dtype {t.dtype}")
 
 
 def _part(name: str, value: Any, m: int) -> list[int]:
@@ -36,21 +64,41 @@ def _part(name: str, value: Any, m: int) -> list[int]:
     ts = as_tuple(value, name)
     out = [len(ts)]
     for i, t in enumerate(ts):
-        if t.dim() == 0:
-            raise ValueError(f"{name}[{i}] is 0-dim: the batch is split on dim 0")
-        if t.shape[0] == 0:
-            raise ValueError(f"{name}[{i}] of shape {list(t.shape)} holds no rows")
-        if t.shape[0] % m:
-            raise ValueError(
-                f"{name}[{i}] of shape {list(t.shape)} does not split on dim 0 into "
-                f"num_microbatches={m} equal micro-batches"
-            )
-        if t.dtype not in DTYPE_CODE:
-            raise ValueError(f"{name}[{i}] has unsupported dtype {t.dtype}")
+        _check_rows(f"{name}[{i}]", t, m)
         out += [DTYPE_CODE[t.dtype], t.dim(), *t.shape]
     if len(out) >= _PART:
         raise ValueError(f"{name} has too many tensors or dims ({len(out)} ints)")
     return out
+
+
+def keywords_signature(kwargs: Mapping[str, Any], m: int) -> KwSig:
+    """``((name, ((dtype code, *shape) per tensor)), ...)`` of the keyword tensors, by name;
+    raises naming a keyword that is not a tensor or tuple of tensors, or does not split."""
+    out = []
+    for name in sorted(kwargs):
+        ts = as_tuple(kwargs[name], f"keyword tensor {name!r}")
+        descr = []
+        for i, t in enumerate(ts):
+            what = f"keyword tensor {name!r}" + (f"[{i}]" if len(ts) > 1 else "")
+            _check_rows(what, t, m)
+            descr.append((DTYPE_CODE[t.dtype], *t.shape))
+        out.append((name, tuple(descr)))
+    return tuple(out)
+
+
+def describe_keywords(sig: KwSig) -> str:
+    """``{'mask': [8, 16] int64, ...}`` of a keywords signature."""
+
+    def one(d: tuple[int, ...]) -> str:
+        return f"{list(d[1:])} {str(DTYPES[d[0]]).removeprefix('torch.')}"
+
+    parts = [f"{name!r}: " + ", ".join(one(d) for d in descr) for name, descr in sig]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _digest(sig: KwSig) -> int:
+    """A 56-bit digest of a keywords signature, the same in every process (no salted hash)."""
+    return int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "big")
 
 
 class BatchAgreement:
@@ -93,19 +141,28 @@ class BatchAgreement:
         self,
         inputs: Any,
         labels: Any,
+        kwargs: Mapping[str, Any],
         train: bool,
         loss_dtype: torch.dtype,
         call: int,
         device_type: str = "cpu",
-    ) -> tuple[tuple[int, ...], torch.dtype]:
+        accepts: Callable[[tuple[str, ...]], int] | None = None,
+    ) -> tuple[Signature, torch.dtype]:
         """The agreed signature and loss dtype of call number ``call`` (``step`` when
-        ``train``, else ``forward``); raises on every rank if a rank rejects the batch or the
-        ranks are not in the same call."""
+        ``train``, else ``forward``); raises on every rank if a rank rejects the batch, the
+        ranks are not in the same call, their keyword tensors differ, or a keyword tensor is
+        taken by no stage (nor ``loss_fn``) of any rank.
+
+        kwargs: this rank's keyword tensors (every rank passes the same names and shapes).
+        accepts: ``accepts(names)``, the bit mask of the sorted ``names`` that this rank's
+            stages (or its ``loss_fn``) take.
+        """
         n, f = self.num_ranks, self._flags
         # Filled as a Python list (a torch op per word would cost more than the step's
         # bookkeeping); a tensor only for the all-reduce.
-        vals = [0] * (f + 3 * n)
+        vals = [0] * (f + 5 * n)
         err: Exception | None = None
+        kw: KwSig = ()
         try:
             if self.rank == self.input_rank:
                 sig = _part("inputs", inputs, self.m)
@@ -117,6 +174,13 @@ class BatchAgreement:
                 vals[_PART] = len(sig)
                 vals[_PART + 1 : _PART + 1 + len(sig)] = sig
                 vals[2 * _PART] = DTYPE_CODE[loss_dtype] + 1
+            if kwargs:
+                kw = keywords_signature(kwargs, self.m)
+                if len(kw) > 62:
+                    raise ValueError(f"{len(kw)} keyword tensors: at most 62 per call")
+                vals[f + 3 * n + self.rank] = _digest(kw)
+                if accepts is not None:
+                    vals[f + 4 * n + self.rank] = accepts(tuple(name for name, _ in kw))
         except (ValueError, TypeError) as e:
             err = e
             vals[f + self.rank] = 1
@@ -151,10 +215,54 @@ class BatchAgreement:
                 f"rank {rejected[0]} rejected this batch (see the error on rank {rejected[0]}); "
                 "no rank ran the step"
             )
+        digests = vals[f + 3 * n : f + 4 * n]
+        if len(set(digests)) > 1:
+            raise ValueError(self._keywords_mismatch(kw, call, digests))
+        if kw:
+            taken = 0
+            for mask in vals[f + 4 * n : f + 5 * n]:
+                taken |= mask
+            unused = [name for i, (name, _) in enumerate(kw) if not taken >> i & 1]
+            if unused:
+                raise ValueError(
+                    f"keyword tensor {unused[0]!r} is taken by no stage's forward (nor by "
+                    "loss_fn) on any rank: rename it to a parameter of a stage's forward, or "
+                    "do not pass it"
+                )
         n_in = vals[0]
         sig = [int(train), *vals[1 : 1 + n_in]]
         if train:
             n_lab = vals[_PART]
             sig += vals[_PART + 1 : _PART + 1 + n_lab]
             loss_dtype = DTYPES[vals[2 * _PART] - 1]
-        return tuple(sig), loss_dtype
+        return (tuple(sig), kw), loss_dtype
+
+    def _keywords_mismatch(self, kw: KwSig, call: int, digests: list[int]) -> str:
+        """Why the ranks' keyword tensors differ: each rank's description goes through the
+        store (only on this error), so that every rank names the same rank and keyword."""
+        mine = describe_keywords(kw)
+        store = self.groups.store
+        if store is None:  # pragma: no cover - a pipeline of several ranks has a store
+            return f"the pipeline ranks passed different keyword tensors (rank {self.rank}: {mine})"
+        prefix = f"{self.groups.key}/kwargs/{call}"
+        store.set(f"{prefix}/{self.rank}", repr(kw))
+        sigs = [
+            kw if r == self.rank else _eval_signature(store.get(f"{prefix}/{r}").decode())
+            for r in range(self.num_ranks)
+        ]
+        first = next(r for r in range(self.num_ranks) if digests[r] != digests[0])
+        ref, other = dict(sigs[0]), dict(sigs[first])
+        name = next(k for k in sorted(set(ref) | set(other)) if ref.get(k) != other.get(k))
+
+        def of(sig: dict) -> str:
+            return describe_keywords(((name, sig[name]),)) if name in sig else f"no {name!r}"
+
+        return (
+            f"the pipeline ranks passed different keyword tensors: rank {first} has "
+            f"{of(other)}, rank 0 has {of(ref)} (every rank passes the same keyword tensors)"
+        )
+
+
+def _eval_signature(text: str) -> KwSig:
+    """A keywords signature back from its ``repr`` (names and ints only)."""
+    return ast.literal_eval(text)

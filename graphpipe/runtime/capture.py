@@ -27,7 +27,7 @@ import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from graphpipe.meta import DTYPES, StepRecord, TensorMeta
 from graphpipe.plan import StaticPlan, build_plan
 
+from .batch import Signature
 from .comm import SendTransfer
 from .context import RankContext
 from .program import Program
@@ -48,18 +49,20 @@ _RECV_KIND = {True: "recv_activation", False: "recv_grad"}
 
 
 class Capture:
-    """One captured signature: its plan, recorded metadata, buffer bindings and graphs."""
+    """One captured signature: its plan, recorded metadata, buffer bindings and graphs;
+    ``batch``: the runner's micro-batches (views of the plan's static batch buffers)."""
 
-    __slots__ = ("bindings", "graphs", "mb_inputs", "mb_labels", "metas", "plan", "record", "sig")
+    __slots__ = ("batch", "bindings", "graphs", "metas", "plan", "record", "sig")
 
-    def __init__(self, sig, plan, record, metas, bindings, mb_inputs, mb_labels) -> None:
+    def __init__(self, sig, plan, record, metas, bindings, batch) -> None:
         self.sig, self.plan, self.record, self.metas = sig, plan, record, metas
-        self.bindings, self.mb_inputs, self.mb_labels = bindings, mb_inputs, mb_labels
+        self.bindings, self.batch = bindings, batch
         self.graphs: Any = None
 
 
-def _decode_signature(sig: Sequence[int]) -> list[tuple[str, list[int], str]]:
-    """The named tensor descriptions of a batch signature (see ``Pipeline._agree``)."""
+def _decode_signature(signature: Signature) -> list[tuple[str, list[int], str]]:
+    """The named tensor descriptions of a batch signature (``batch.Signature``)."""
+    sig, kw = signature
     out = []
     i = 1
     for name in ("inputs", "labels"):
@@ -72,10 +75,15 @@ def _decode_signature(sig: Sequence[int]) -> list[tuple[str, list[int], str]]:
             dtype = str(DTYPES[code]).removeprefix("torch.")
             out.append((f"{name}[{k}]", list(sig[i + 2 : i + 2 + ndim]), dtype))
             i += 2 + ndim
+    for name, descr in kw:
+        for k, (code, *shape) in enumerate(descr):
+            dtype = str(DTYPES[code]).removeprefix("torch.")
+            index = f"[{k}]" if len(descr) > 1 else ""
+            out.append((f"keyword tensor {name!r}{index}", shape, dtype))
     return out
 
 
-def mismatch(captured: Sequence[int], got: Sequence[int]) -> str:
+def mismatch(captured: Signature, got: Signature) -> str:
     """Why a batch signature does not fit the captured one."""
     old, new = _decode_signature(captured), _decode_signature(got)
     for (name, shape, dt), (name2, shape2, dt2) in zip(old, new, strict=False):
@@ -124,25 +132,30 @@ class CaptureDriver:
         self.ctx, self.loop, self.program = ctx, loop, program
         self.runner, self.engine, self.loss = runner, engine, loss
         self.mode, self.recapture = mode, recapture
-        self.captures: dict[tuple[int, ...], Capture] = {}
+        self.captures: dict[Signature, Capture] = {}
         self.active: Capture | None = None
         self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
         self._finalizer = weakref.finalize(self, _release, self.captures, ctx.device.type)
 
     # ------------------------------------------------------------ the step
-    def step(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
+    def step(
+        self, sig: Signature, inputs: Any, labels: Any, kwargs: Mapping[str, Any]
+    ) -> torch.Tensor:
         ctx = self.ctx
         cap = self.captures.get(sig)
         if cap is None:
             if self.captures and not self.recapture:
                 raise ValueError(mismatch(next(iter(self.captures)), sig))
-            return self._warmup(sig, inputs, labels)
+            return self._warmup(sig, inputs, labels, kwargs)
         self.activate(cap)
         if ctx.is_input_rank:
             for dst, src in zip(cap.plan.inputs, as_tuple(inputs), strict=True):
                 dst.copy_(src, non_blocking=True)
         if ctx.is_loss_rank:
             for dst, src in zip(cap.plan.labels, as_tuple(labels), strict=True):
+                dst.copy_(src, non_blocking=True)
+        for name, bufs in cap.plan.kwargs.items():
+            for dst, src in zip(bufs, as_tuple(kwargs[name]), strict=True):
                 dst.copy_(src, non_blocking=True)
         if ctx.device.type != "cuda":
             self.loop.static(self.program)  # CPU: no graph API; the static step is the replay
@@ -153,17 +166,19 @@ class CaptureDriver:
         self._replay(cap)
         return self.loss.out
 
-    def _warmup(self, sig: tuple[int, ...], inputs: Any, labels: Any) -> torch.Tensor:
+    def _warmup(
+        self, sig: Signature, inputs: Any, labels: Any, kwargs: Mapping[str, Any]
+    ) -> torch.Tensor:
         """An eager step on fresh buffers that records the metadata of what it touches; on
         CUDA on the capture stream (torch's whole-network capture recipe)."""
         loop = self.loop
         with self.runner.recording() as record:
             loop.zero_grads()
             with self._on_capture_stream():
-                loss = loop.train(self.program, sig, inputs, labels, None).clone()
+                loss = loop.train(self.program, sig, inputs, labels, kwargs, None).clone()
                 if loop.optimizer is not None:
                     loop.optimizer.step()
-        self.captures[sig] = self._make(sig, record, inputs, labels)
+        self.captures[sig] = self._make(sig, record, inputs, labels, kwargs)
         return loss
 
     def _on_capture_stream(self) -> Any:
@@ -173,7 +188,14 @@ class CaptureDriver:
         return _JoinedStream(self.stream, self.ctx.device)
 
     # ---------------------------------------------------------------- plan
-    def _make(self, sig: tuple[int, ...], record: StepRecord, inputs: Any, labels: Any) -> Capture:
+    def _make(
+        self,
+        sig: Signature,
+        record: StepRecord,
+        inputs: Any,
+        labels: Any,
+        kwargs: Mapping[str, Any],
+    ) -> Capture:
         ctx, program, engine = self.ctx, self.program, self.engine
         keys_at: list[list[tuple[str, int, int]]] = [[] for _ in program.steps]
         metas: dict[tuple[str, int, int], tuple[TensorMeta, ...]] = {}
@@ -210,15 +232,24 @@ class CaptureDriver:
         dev = ctx.device
         ins = tuple(TensorMeta.of(t).on(dev) for t in as_tuple(inputs)) if ctx.is_input_rank else ()
         labs = tuple(TensorMeta.of(t).on(dev) for t in as_tuple(labels)) if ctx.is_loss_rank else ()
-        plan = build_plan(plan_program, metas, ins, labs, readers, until_end)
+        kws = {
+            name: tuple(TensorMeta.of(t).on(dev) for t in as_tuple(kwargs[name]))
+            for name in self.runner.routes.used
+        }
+        plan = build_plan(plan_program, metas, ins, labs, readers, until_end, kws)
         bindings = [
             (t, plan.buffers[keys[0]][0] if flat else tuple(plan.buffers[k] for k in keys))
             for t, keys, flat in owners
         ]
-        mb_inputs, mb_labels = self.loop.batch(
-            plan.inputs, plan.labels, unwrap=isinstance(labels, torch.Tensor)
-        )
-        return Capture(sig, plan, record, dict(engine.metas), bindings, mb_inputs, mb_labels)
+        static_kw = {
+            name: bufs[0] if isinstance(kwargs[name], torch.Tensor) else bufs
+            for name, bufs in plan.kwargs.items()
+        }
+        unwrap = isinstance(labels, torch.Tensor)
+        self.loop.batch(sig, plan.inputs, plan.labels, static_kw, unwrap=unwrap)
+        runner = self.runner
+        batch = (runner.mb_inputs, runner.mb_labels, runner.mb_kwargs, runner.routes)
+        return Capture(sig, plan, record, dict(engine.metas), bindings, batch)
 
     def activate(self, cap: Capture | None) -> None:
         """Point the program at ``cap``'s plan buffers (None: eager allocation)."""
@@ -232,7 +263,7 @@ class CaptureDriver:
                 t.static = bufs
             self.engine.metas = dict(cap.metas)
             self.loop.signature = cap.sig
-            self.runner.begin(cap.mb_inputs, cap.mb_labels)
+            self.runner.begin(*cap.batch)
         self.active = cap
 
     # ---------------------------------------------------------------- CUDA

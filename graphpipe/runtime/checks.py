@@ -21,6 +21,7 @@ from graphpipe.roles import ExpertGroups, expert_parallel_size
 
 __all__ = [
     "CAPTURE_MODES",
+    "LOSS_REDUCTIONS",
     "check_arguments",
     "check_capture_optimizer",
     "check_expert_groups",
@@ -35,7 +36,12 @@ __all__ = [
 CAPTURE_MODES = {False: None, True: "step", "step": "step", "action": "action"}
 
 
-def check_arguments(num_microbatches: Any, loss_fn: Any, capture: Any) -> None:
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def check_arguments(
+    num_microbatches: Any, loss_fn: Any, capture: Any, loss_reduction: Any = "mean"
+) -> None:
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
         raise TypeError(
             f"num_microbatches must be an int, got {type(num_microbatches).__name__} "
@@ -45,6 +51,8 @@ def check_arguments(num_microbatches: Any, loss_fn: Any, capture: Any) -> None:
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture must be False, True, 'step' or 'action', got {capture!r}")
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
 
 
 def resolve_receives(receives: Any, nccl: bool) -> str:

@@ -6,7 +6,8 @@ them all by
 ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s rule):
 
 * on each rank, the parameters of its local stages, deduplicated (a tied weight shared by two
-  local stages counts once), give ``sum |g|^p`` (for ``inf``: ``max |g|``);
+  local stages counts once; a weight tied across ranks, ``graphpipe.mark_tied``, on its
+  lowest rank only), give ``sum |g|^p`` (for ``inf``: ``max |g|``);
 * those partial sums are all-reduced over the **pipeline group** only: every parameter lives
   on exactly one pipeline rank, and after the data-parallel reduction of the step
   (``data_parallel``) every replica holds the same gradients, so reducing over the replicas
@@ -58,8 +59,11 @@ class GradClipper:
     clip (``in_step``).
     """
 
-    def __init__(self, ctx: RankContext, expert_groups: Any = None) -> None:
+    def __init__(
+        self, ctx: RankContext, expert_groups: Any = None, counted_elsewhere: set[int] = frozenset()
+    ) -> None:
         self.ctx = ctx
+        self.counted_elsewhere = counted_elsewhere  # ids of tied copies another rank counts
         self.ep_group = expert_groups.ep_group if expert_groups is not None else None
         self.norm: torch.Tensor | None = None
 
@@ -70,6 +74,8 @@ class GradClipper:
         ctx = self.ctx
         params = [p for p in ctx.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
+        skip = self.counted_elsewhere
+        counted = [p for p in params if id(p) not in skip] if skip else params
         dtype = torch.float32
         for g in grads:
             dtype = torch.promote_types(dtype, g.dtype)
@@ -77,14 +83,14 @@ class GradClipper:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         ep = self.ep_group
         if ep is not None and dist.get_world_size(ep) > 1:
-            experts = [p.grad for p in params if is_expert(p)]
+            experts = [p.grad for p in counted if is_expert(p)]
             share = _partial(experts, norm_type, dtype, ctx.device)
             dist.all_reduce(share, op=op, group=ep)  # every rank's share of the experts
-            rest = [p.grad for p in params if not is_expert(p)]
+            rest = [p.grad for p in counted if not is_expert(p)]
             rest_part = _partial(rest, norm_type, dtype, ctx.device)
             local = torch.maximum(rest_part, share) if inf else rest_part + share
         else:
-            local = _partial(grads, norm_type, dtype, ctx.device)
+            local = _partial([p.grad for p in counted], norm_type, dtype, ctx.device)
         if ctx.num_ranks > 1:
             dist.all_reduce(local, op=op, group=ctx.group)
         total = local if inf else local.pow(1.0 / norm_type)

@@ -72,6 +72,7 @@ from .context import RankContext
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import store_key
 from .program import Program
+from .tensors import grad_or_zeros
 
 __all__ = ["DataParallel", "check_stage_wrappers"]
 
@@ -135,7 +136,7 @@ class _Bucket:
 
     def load(self) -> torch.Tensor:
         """The tensor to sum: the one gradient in place, or the gradients copied flat."""
-        grads = [_grad(p) for p in self.params]
+        grads = [grad_or_zeros(p) for p in self.params]
         if len(grads) == 1 and grads[0].is_contiguous():
             return grads[0]
         if self.flat is None:
@@ -145,9 +146,11 @@ class _Bucket:
         return torch.cat([g.reshape(-1) for g in grads], out=self.flat)
 
     def store(self, size: int) -> None:
-        """Divide the sum by ``size`` and write it back into the gradients."""
+        """Divide the sum by ``size`` (1: keep the sum) and write it back into the
+        gradients."""
         target = self.target
-        target.div_(size)
+        if size != 1:
+            target.div_(size)
         if target is not self.flat:
             return
         for p, v in zip(self.params, self.views, strict=True):
@@ -162,7 +165,8 @@ class DataParallel:
     ``program`` (see the module doc); ``faults``: the pipeline's (the replicas' failure
     notices join it), ``ranges``: its ranges. ``bucket_cap_mb``: the largest bucket in MiB (a
     larger parameter is its own bucket). ``expert_groups``: the ``ExpertGroups`` of stages with
-    expert parameters.
+    expert parameters. ``loss_reduction``: ``"mean"`` averages the gradients and the loss over
+    the replicas, ``"sum"`` sums them.
     """
 
     name = "dp grads"  # what a failure while waiting names (the program's ``wait dp grads``)
@@ -176,11 +180,15 @@ class DataParallel:
         dp_group: Any,
         bucket_cap_mb: float = 25.0,
         expert_groups: Any = None,
+        loss_reduction: str = "mean",
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("dp_group was given but torch.distributed is not initialized")
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
+        # The loss is the mean over the replicas (gradients averaged), or their sum with
+        # loss_reduction="sum" (a token-weighted loss already divides by the global count).
+        self.divisor = self.size if loss_reduction == "mean" else 1
         self.ranges = ranges
         # Failures of the other replicas (gloo): notices shared over the dp group, looked for
         # while waiting on its reductions (a CUDA wait is a stream dependency: no polling).
@@ -287,7 +295,7 @@ class DataParallel:
             for b in self._in_flight:
                 if b.work is not None:
                     self._wait(b.work, "wait dp grads")
-                b.store(self.size)
+                b.store(self.divisor)
         finally:
             self.abandon()
             ranges.pop()
@@ -314,26 +322,21 @@ class DataParallel:
             raise CommFailure(None, what, e.with_traceback(None)) from None
 
     def average_loss(self, loss: torch.Tensor) -> None:
-        """On the loss rank: ``loss`` becomes the mean of every replica's ``loss``."""
+        """On the loss rank: ``loss`` becomes the mean (``loss_reduction="sum"``: the sum) of
+        every replica's ``loss``."""
         if self.size > 1:
             if self.poll:
                 self._wait(dist.all_reduce(loss, group=self.group, async_op=True), "dp loss")
             else:
                 dist.all_reduce(loss, group=self.group)
-            loss.div_(self.size)
+            if self.divisor != 1:
+                loss.div_(self.divisor)
 
     def abandon(self) -> None:
         """Forget the posted reductions (after the wait, or a failed step)."""
         for b in self._in_flight:
             b.work = b.target = None
         self._in_flight.clear()
-
-
-def _grad(p: nn.Parameter) -> torch.Tensor:
-    """``p.grad``, set to zeros when the step gave it none (every replica must send it)."""
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
 
 
 def _bucketize(params: list[nn.Parameter], cap: int) -> list[_Bucket]:

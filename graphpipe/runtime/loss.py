@@ -5,7 +5,9 @@ the step they are stacked into the static ``losses`` buffer, averaged into the s
 (averaged again over the data-parallel replicas' loss ranks) and broadcast from the loss rank,
 on the device under CUDA (so it runs inside captured graphs) and over the control group on
 CPU. The backward seed of every micro-batch is ``1 / M`` (scaled by a ``GradScaler`` when one
-is given), so the gradients are those of the mean loss.
+is given), so the gradients are those of the mean loss; with ``loss_reduction="sum"`` the
+micro-batch losses are summed (seed 1; over the replicas too), for a ``loss_fn`` that
+already divides by the global number of tokens.
 
 Owns: the loss buffers (``losses``, ``seed``, ``out``). May touch: the stage runner's loss
 fields, the loss average it is given (the data-parallel part's), the control group through
@@ -34,8 +36,9 @@ class LossReducer:
     over the replicas in place.
     """
 
-    def __init__(self, ctx: RankContext, runner: Any, faults: Any) -> None:
+    def __init__(self, ctx: RankContext, runner: Any, faults: Any, reduction: str = "mean") -> None:
         self.ctx, self.runner, self.faults = ctx, runner, faults
+        self.reduction = reduction
         self.dtype: torch.dtype | None = None
         self.out: torch.Tensor | None = None
         self.average: Callable[[torch.Tensor], None] | None = None
@@ -54,22 +57,27 @@ class LossReducer:
         self.out = torch.zeros((), dtype=dtype, device=ctx.device)
 
     def prepare_seed(self, scaler: Any) -> None:
-        """The backward seed ``1 / M`` (scaled by ``scaler``) on the loss rank."""
+        """The backward seed ``1 / M`` (``"sum"``: 1), scaled by ``scaler``, on the loss
+        rank."""
         ctx, runner = self.ctx, self.runner
         if ctx.is_loss_rank:
-            runner.seed.fill_(1.0 / ctx.num_microbatches)
+            runner.seed.fill_(1.0 / ctx.num_microbatches if self.reduction == "mean" else 1.0)
             runner.backward_seed = scaler.scale(runner.seed) if scaler is not None else runner.seed
         elif scaler is not None:
             scaler.scale(torch.zeros((), device=ctx.device))  # initializes its scale here too
 
     def reduce(self) -> torch.Tensor:
-        """The mean loss into the static ``out``, broadcast from the loss rank."""
+        """The mean (``"sum"``: the sum) of the micro-batch losses into the static ``out``,
+        broadcast from the loss rank."""
         ctx, out = self.ctx, self.out
         if ctx.is_loss_rank:
             runner = self.runner
             torch.stack(runner.loss_parts, out=runner.losses)
             runner.loss_parts = [None] * ctx.num_microbatches
-            torch.mean(runner.losses, dim=0, out=out)
+            if self.reduction == "mean":
+                torch.mean(runner.losses, dim=0, out=out)
+            else:
+                torch.sum(runner.losses, dim=0, out=out)
             if self.average is not None:  # the mean over the replicas' loss ranks
                 self.average(out)
         if ctx.num_ranks == 1:

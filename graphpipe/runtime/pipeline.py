@@ -28,7 +28,7 @@ from graphpipe.plan import StaticPlan
 from graphpipe.schedules import resolve_schedule
 from graphpipe.simulate import Costs
 
-from .batch import BatchAgreement
+from .batch import BatchAgreement, Signature
 from .capture import CaptureDriver
 from .checks import (
     CAPTURE_MODES,
@@ -52,6 +52,7 @@ from .loss import LossReducer
 from .program import compile_program
 from .stage import StageRunner
 from .step import StepLoop
+from .tied import TiedWeights
 
 __all__ = ["DualPipeV", "Pipeline", "clip_grad_norm_"]
 
@@ -112,6 +113,13 @@ class Pipeline:
             stages hold expert parameters, and whenever their experts are sharded.
         timeout: seconds (or a ``timedelta``) a rank waits for a silent peer before it raises
             ``PipelineError`` naming it (a failing or killed peer is reported at once).
+        loss_reduction: ``"mean"`` (default): the step's loss is the mean of the micro-batch
+            losses (backward seed ``1 / M``), and the mean over the replicas with
+            ``dp_group`` (gradients averaged). ``"sum"``: their sum (seed 1; gradients summed
+            over the replicas), for a token-weighted ``loss_fn`` that returns a micro-batch's
+            summed token losses divided by the global number of valid tokens: the loss and
+            gradients are then those of one process on the whole batch, padding and unequal
+            valid tokens per micro-batch included.
 
     A failure on any rank ends the call on every rank: the failing rank raises its own
     exception (with a note naming the action), the others ``graphpipe.PipelineError`` naming
@@ -145,8 +153,10 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         clip_norm_type: float = 2.0,
         expert_groups: Any = None,
+        loss_reduction: str = "mean",
     ) -> None:
-        check_arguments(num_microbatches, loss_fn, capture)
+        check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
+        self.loss_reduction = loss_reduction
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed and group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
@@ -237,12 +247,19 @@ class Pipeline:
         self.expert_groups = check_expert_groups(self.modules, expert_groups)
         self.data_parallel = (
             DataParallel(
-                ctx, self.program, self._ranges, faults, dp_group, expert_groups=expert_groups
+                ctx,
+                self.program,
+                self._ranges,
+                faults,
+                dp_group,
+                expert_groups=expert_groups,
+                loss_reduction=loss_reduction,
             )
             if dp_group is not None
             else None
         )
-        self._clipper = GradClipper(ctx, self.expert_groups)
+        self.tied = TiedWeights(ctx, self.program)  # after the dp reductions, before clipping
+        self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
         self._clips = clip_grad_norm is not None
         if self._clips:
             self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type)
@@ -250,7 +267,7 @@ class Pipeline:
             groups, self.rank, n, self.input_rank, self.loss_rank, m, float_dtype(self.modules[0])
         )
         self._loss_dtype = loss_dtype(self.modules)
-        self.loss = LossReducer(ctx, runner, faults)
+        self.loss = LossReducer(ctx, runner, faults, loss_reduction)
         if self.data_parallel is not None:
             self.loss.average = self.data_parallel.average_loss
         check_capture_optimizer(capture_optimizer, capture, self.device)
@@ -265,13 +282,19 @@ class Pipeline:
         )
 
     # ------------------------------------------------------------------ steps
-    def step(self, inputs: Any, labels: Any, *, scaler: Any = None) -> torch.Tensor:
+    def step(self, inputs: Any, labels: Any, *, scaler: Any = None, **kwargs: Any) -> torch.Tensor:
         """Run one training step; returns the mean loss (0-dim) on every rank.
 
         ``inputs``: on the rank running stage 0, ``labels``: on the rank running the last
         stage (a tensor or tuple of tensors, split on dim 0); ``None`` elsewhere. ``scaler``:
         an optional ``torch.amp.GradScaler``; the backward seed is scaled by it (call
         ``unscale_`` before ``scaler.step``).
+
+        ``kwargs``: keyword tensors (a tensor or a tuple of tensors each), given on every
+        rank with the same names and shapes, split on dim 0 into the micro-batches like the
+        inputs and passed to every stage whose ``forward`` takes that keyword (or
+        ``**kwargs``), and to ``loss_fn`` when it takes it: a mask or position ids reach every
+        stage without crossing the pipeline. A keyword that nothing takes is an error.
 
         With ``capture``, the returned loss of a replayed step is the static loss tensor: it
         aliases graph memory and is overwritten by the next step (clone it to keep it).
@@ -286,22 +309,31 @@ class Pipeline:
                 "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
                 "pipe.unscale_(scaler, optimizer)"
             )
-        sig, dtype = self._agree(inputs, labels, True)
+        sig, dtype = self._agree(inputs, labels, kwargs, True)
         with self._guard():
             self.loss.ensure(dtype, frozen=bool(self._capture.captures))
             if self.capture:
-                return self._capture.step(sig, inputs, labels)
+                return self._capture.step(sig, inputs, labels, kwargs)
             self._capture.activate(None)
-            return self._loop.train(self.program, sig, inputs, labels, scaler).clone()
+            return self._loop.train(self.program, sig, inputs, labels, kwargs, scaler).clone()
 
-    def _agree(self, inputs: Any, labels: Any, train: bool) -> tuple[tuple[int, ...], Any]:
+    def _agree(
+        self, inputs: Any, labels: Any, kwargs: dict[str, Any], train: bool
+    ) -> tuple[Signature, Any]:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
         faults = self._faults
         faults.begin()
         faults.action = "batch agreement"
         try:
             return self._agreement.agree(
-                inputs, labels, train, self._loss_dtype, faults.call, self.device.type
+                inputs,
+                labels,
+                kwargs,
+                train,
+                self._loss_dtype,
+                faults.call,
+                self.device.type,
+                self._keyword_mask,
             )
         except CommFailure as f:
             raise faults.consequence(f) from f
@@ -326,13 +358,17 @@ class Pipeline:
         self._loop.forget()
         self._capture.activate(None)
 
+    def _keyword_mask(self, names: tuple[str, ...]) -> int:
+        return self.runner.keyword_routes(names).mask
+
     @torch.no_grad()
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, inputs: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd state kept): the concatenated outputs on the rank that
-        runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline."""
-        sig, _ = self._agree(inputs, None, False)
+        runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline.
+        ``kwargs``: keyword tensors, as for ``step``."""
+        sig, _ = self._agree(inputs, None, kwargs, False)
         with self._guard():
-            return self._loop.infer(self._infer, sig, inputs)
+            return self._loop.infer(self._infer, sig, inputs, kwargs)
 
     def unscale_(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         """``scaler.unscale_(optimizer)`` plus agreement on inf/NaN across the pipeline ranks.

@@ -16,8 +16,9 @@ stage s reads the input gradient of stage s+1.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from graphpipe.weightgrad import WeightGradStore, make_deferrable
 
 from .tensors import Tensors, as_tuple
 
-__all__ = ["OVERLAP_HOOK", "StageRunner"]
+__all__ = ["NO_KEYWORDS", "OVERLAP_HOOK", "Routes", "StageRunner"]
 
 OVERLAP_HOOK = "overlapped_forward_backward"
 
@@ -49,11 +50,51 @@ def _backward(tensors: list, grads: list) -> None:
     _run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
+def _differentiable(t: torch.Tensor) -> bool:
+    """Whether a tensor crossing an edge carries a gradient back: floating or complex ones do;
+    integer and bool ones (masks, ids, counts) travel forward only."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def _leaves(ts: Tensors) -> Tensors:
     """Stage inputs as fresh autograd leaves (no copy) so that backward yields their grads."""
-    return tuple(
-        t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in ts
-    )
+    return tuple(t.detach().requires_grad_() if _differentiable(t) else t for t in ts)
+
+
+class Routes(NamedTuple):
+    """Where one call's keyword tensors go on this rank (``StageRunner.keyword_routes``).
+
+    mask: bit ``i`` set when this rank takes the ``i``-th (sorted) name.
+    stages: per local stage, the names its ``forward`` takes. loss: the names ``loss_fn``
+    takes (loss rank only). used: every name this rank takes, sorted.
+    """
+
+    mask: int
+    stages: tuple[tuple[str, ...], ...]
+    loss: tuple[str, ...]
+    used: tuple[str, ...]
+
+
+NO_KEYWORDS = Routes(0, (), (), ())
+
+
+def _forward_of(module: nn.Module) -> Callable[..., Any]:
+    """The ``forward`` whose parameters say which keywords a stage takes: a module compiled
+    with ``torch.compile(module)`` forwards every keyword to the module it wraps
+    (``_orig_mod``, torch's attribute for it)."""
+    return getattr(module, "_orig_mod", module).forward
+
+
+def _taken(fn: Callable[..., Any], names: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``names`` that ``fn`` takes as keyword arguments (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: takes none
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return names
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return tuple(k for k in names if k in named)
 
 
 class StageRunner:
@@ -101,6 +142,10 @@ class StageRunner:
         self.grad_in: list[list[Any]] = [[None] * m for _ in range(k)]  # to send
         self.mb_inputs: list[Tensors] = []
         self.mb_labels: list[Any] = []
+        # Keyword tensors: per micro-batch {name: tensor(s)}, and which names go where.
+        self.mb_kwargs: list[dict[str, Any]] = []
+        self.routes = NO_KEYWORDS
+        self._routes: dict[tuple[str, ...], Routes] = {(): NO_KEYWORDS}
         self.losses: torch.Tensor | None = None
         self.loss_parts: list[Any] = [None] * m  # each micro-batch's loss, this step
         self.seed: torch.Tensor | None = None
@@ -165,7 +210,13 @@ class StageRunner:
                 self.inputs[li][mb] = None
                 self.infer_outputs[mb] = y[0] if len(y) == 1 else y
                 return
-            loss = self.loss_fn(y[0] if len(y) == 1 else y, self.mb_labels[mb])
+            out, lab = y[0] if len(y) == 1 else y, self.mb_labels[mb]
+            names = self.routes.loss
+            if names:
+                kw = self.mb_kwargs[mb]
+                loss = self.loss_fn(out, lab, **{k: kw[k] for k in names})
+            else:
+                loss = self.loss_fn(out, lab)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 got = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(f"loss_fn must return a 0-dim tensor, got {got}")
@@ -175,10 +226,22 @@ class StageRunner:
             self.inputs[li][mb] = None
         self.outputs[li][mb] = y
 
+    def _kwargs(self, li: int, mb: int) -> dict[str, Any]:
+        names = self.routes.stages[li] if self.routes.stages else ()
+        if not names:
+            return {}
+        kw = self.mb_kwargs[mb]
+        return {k: kw[k] for k in names}
+
+    def _call(self, li: int, mb: int, x: Tensors) -> Any:
+        if not self.routes.used:
+            return self.modules[li](*x)
+        return self.modules[li](*x, **self._kwargs(li, mb))
+
     def forward(self, li: int, mb: int) -> None:
         x = self._forward_inputs(li, mb)
         self.stores[li].split = self.split[li][mb]
-        self._finish_forward(li, mb, self.modules[li](*x))
+        self._finish_forward(li, mb, self._call(li, mb, x))
 
     def _backward_operands(self, li: int, mb: int) -> tuple[list, list]:
         outs = self.outputs[li][mb]
@@ -191,12 +254,28 @@ class StageRunner:
                 f"stage {self.stage_ids[li]} has no output gradient for micro-batch {mb}"
                 + (" (the local next stage has not run its backward)" if nxt is not None else "")
             )
+        # One gradient came back per differentiable output (the next stage's float inputs),
+        # none for integer or bool ones (masks, ids); a float output that needs no gradient
+        # (computed without autograd) lets its gradient go.
         tensors, gs = [], []
-        for t, g in zip(outs, grads, strict=True):
-            if t.requires_grad:
-                tensors.append(t)
-                gs.append(g)
-        return tensors, gs
+        it = iter(grads)
+        for t in outs:
+            if _differentiable(t):
+                g = next(it, None)
+                if g is None:
+                    break
+                if t.requires_grad:
+                    tensors.append(t)
+                    gs.append(g)
+        else:
+            if next(it, None) is None:
+                return tensors, gs
+        kinds = [str(t.dtype).removeprefix("torch.") for t in outs]
+        raise RuntimeError(
+            f"stage {self.stage_ids[li]} got {len(grads)} output gradients for micro-batch "
+            f"{mb}, but its outputs {kinds} have {sum(map(_differentiable, outs))} "
+            "floating-point tensors"
+        )
 
     def _finish_backward(self, li: int, mb: int) -> None:
         """Drop the micro-batch's state and route its input gradients (send or local)."""
@@ -256,15 +335,16 @@ class StageRunner:
             self.stores[bli].split = self.split[bli][bmb]
             self.stores[fli].split = self.split[fli][fmb]
             tensors, grads = self._backward_operands(bli, bmb)
+            kw = self._kwargs(fli, fmb)  # the F's keyword tensors
             if full:
                 self.stores[bli].accumulating = True
                 try:
-                    y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
+                    y = hook(fmod, x, bmod, tuple(tensors), tuple(grads), **kw)
                 finally:
                     self.stores[bli].accumulating = False
             else:
                 with self.stores[bli].deferring((self.stage_ids[bli], bmb)):
-                    y = hook(fmod, x, bmod, tuple(tensors), tuple(grads))
+                    y = hook(fmod, x, bmod, tuple(tensors), tuple(grads), **kw)
             self._finish_forward(fli, fmb, y)
             self._finish_backward(bli, bmb)
             return
@@ -297,8 +377,32 @@ class StageRunner:
         finally:
             self.recorder = None
 
-    def begin(self, mb_inputs: list, mb_labels: list) -> None:
+    def begin(
+        self,
+        mb_inputs: list,
+        mb_labels: list,
+        mb_kwargs: list | None = None,
+        routes: Routes | None = None,
+    ) -> None:
+        """The call's micro-batches: inputs (input rank), labels (loss rank), and the keyword
+        tensors this rank uses (``routes.used``), each a list over micro-batches."""
         self.mb_inputs, self.mb_labels = mb_inputs, mb_labels
+        self.mb_kwargs = mb_kwargs or []
+        self.routes = routes or NO_KEYWORDS
+
+    def keyword_routes(self, names: tuple[str, ...]) -> Routes:
+        """Where the keyword tensors ``names`` (sorted) go on this rank: to each stage whose
+        ``forward`` takes that keyword (or ``**kwargs``), and to ``loss_fn`` on the loss
+        rank; computed once per set of names."""
+        routes = self._routes.get(names)
+        if routes is None:
+            stages = tuple(_taken(_forward_of(m), names) for m in self.modules)
+            loss = _taken(self.loss_fn, names) if self.last_stage in self.local else ()
+            used = {*loss, *(k for ks in stages for k in ks)}
+            mask = sum(1 << i for i, k in enumerate(names) if k in used)
+            routes = Routes(mask, stages, loss, tuple(k for k in names if k in used))
+            self._routes[names] = routes
+        return routes
 
     def drop_state(self) -> None:
         """After a failed step: forget its micro-batches and deferred work."""

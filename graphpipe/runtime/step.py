@@ -21,10 +21,12 @@ its step inside the static step).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .batch import Signature
 from .context import RankContext
 from .program import Program
 from .tensors import split
@@ -55,8 +57,8 @@ class StepLoop:
         self.loss, self.faults, self.ranges = loss, faults, ranges
         self.nccl = nccl
         self.optimizer = optimizer
-        self.signature: tuple[int, ...] | None = None  # of the training program's last step
-        self.infer_signature: tuple[int, ...] | None = None
+        self.signature: Signature | None = None  # of the training program's last step
+        self.infer_signature: Signature | None = None
         self.infer_metas: dict = {}  # the inference program's channel metadata
 
     def forget(self) -> None:
@@ -71,27 +73,49 @@ class StepLoop:
                 if p.grad is not None:
                     p.grad.zero_()
 
-    def batch(self, inputs: Any, labels: Any, unwrap: bool | None = None) -> tuple[list, list]:
-        """This rank's micro-batches of ``inputs`` and ``labels`` (empty where it holds none);
-        ``unwrap``: each micro-batch's labels as one tensor, not a 1-tuple (default: when
-        ``labels`` is a tensor, as ``loss_fn`` then gets them)."""
-        ctx = self.ctx
+    def batch(
+        self,
+        sig: Signature,
+        inputs: Any,
+        labels: Any,
+        kwargs: Mapping[str, Any],
+        unwrap: bool | None = None,
+    ) -> None:
+        """Hand the runner this rank's micro-batches of ``inputs`` and ``labels`` (none where
+        it holds none) and of the keyword tensors it uses (``sig``'s names); ``unwrap``: each
+        micro-batch's labels as one tensor, not a 1-tuple (default: when ``labels`` is a
+        tensor, as ``loss_fn`` then gets them)."""
+        ctx, runner = self.ctx, self.runner
         m, dev = ctx.num_microbatches, ctx.device
         mb_in = split(inputs, m, dev) if ctx.is_input_rank else []
         if unwrap is None:
             unwrap = isinstance(labels, torch.Tensor)
-        mb_lab = split(labels, m, dev, unwrap) if ctx.is_loss_rank else []
-        return mb_in, mb_lab
+        mb_lab = split(labels, m, dev, unwrap) if ctx.is_loss_rank and labels is not None else []
+        routes = runner.keyword_routes(tuple(name for name, _ in sig[1]))
+        mb_kw: list[dict[str, Any]] = []
+        if routes.used:
+            mb_kw = [{} for _ in range(m)]
+            for name in routes.used:
+                value = kwargs[name]
+                parts = split(value, m, dev, unwrap=isinstance(value, torch.Tensor))
+                for i, part in enumerate(parts):
+                    mb_kw[i][name] = part
+        runner.begin(mb_in, mb_lab, mb_kw, routes)
 
     def train(
-        self, program: Program, sig: tuple[int, ...], inputs: Any, labels: Any, scaler: Any
+        self,
+        program: Program,
+        sig: Signature,
+        inputs: Any,
+        labels: Any,
+        kwargs: Mapping[str, Any],
+        scaler: Any,
     ) -> torch.Tensor:
         """One eager training step of batch signature ``sig``; the loss buffer (static)."""
         handshake = sig != self.signature
         self.signature = sig
-        runner = self.runner
-        runner.infer = False
-        runner.begin(*self.batch(inputs, labels))
+        self.runner.infer = False
+        self.batch(sig, inputs, labels, kwargs)
         self.loss.prepare_seed(scaler)
         self.run(program, handshake)
         loss = self.loss.reduce()
@@ -111,14 +135,15 @@ class StepLoop:
             self.optimizer.step()
 
     # --------------------------------------------------------------- inference
-    def infer(self, program: Program, sig: tuple[int, ...], inputs: Any) -> Any:
+    def infer(
+        self, program: Program, sig: Signature, inputs: Any, kwargs: Mapping[str, Any]
+    ) -> Any:
         """A forward-only run; the concatenated outputs on the loss rank, else None."""
         handshake = sig != self.infer_signature
         self.infer_signature = sig
         engine, runner, ctx = self.engine, self.runner, self.ctx
-        saved = engine.metas, runner.mb_inputs, runner.mb_labels
-        mb_in = split(inputs, ctx.num_microbatches, ctx.device) if ctx.is_input_rank else []
-        runner.begin(mb_in, [])
+        saved = engine.metas, runner.mb_inputs, runner.mb_labels, runner.mb_kwargs, runner.routes
+        self.batch(sig, inputs, None, kwargs)
         engine.metas = self.infer_metas
         runner.infer = True
         try:
@@ -126,7 +151,7 @@ class StepLoop:
         finally:
             runner.infer = False
             engine.metas = saved[0]
-            runner.begin(saved[1], saved[2])
+            runner.begin(*saved[1:])
         if not ctx.is_loss_rank:
             return None
         outs = [o if isinstance(o, tuple) else (o,) for o in runner.infer_outputs]

@@ -1,7 +1,8 @@
 """Tensor plumbing every part of the runtime shares: a value as a tuple of tensors, a batch
-split into micro-batches.
+split into micro-batches, a gradient that a collective needs.
 
-Owns: nothing (pure functions). May touch: the tensors it is given, read-only.
+Owns: nothing (pure functions). May touch: the tensors it is given, read-only (but
+``grad_or_zeros``, which sets a missing ``.grad``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Tensors", "as_tuple", "split"]
+__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "split"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -36,3 +37,11 @@ def split(part: Any, m: int, device: torch.device, unwrap: bool = False) -> list
     chunks = [t.to(device, non_blocking=True).chunk(m) for t in as_tuple(part)]
     mbs = [tuple(c[i] for c in chunks) for i in range(m)]
     return [mb[0] for mb in mbs] if unwrap else mbs
+
+
+def grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, set to zeros when the step gave it none (a collective over gradients needs
+    every member's)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad

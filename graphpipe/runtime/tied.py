@@ -1,0 +1,155 @@
+"""Weights tied across pipeline ranks: copies kept equal, their gradients summed in the step.
+
+A weight used by two stages on one rank is one ``Parameter`` and needs nothing. A weight used
+by stages on different ranks (an input embedding tied to the output head when stage 0 and the
+last stage are on different ranks, as under 1F1B) lives as one copy per rank, and the model
+marks each copy with ``graphpipe.mark_tied(param, name)``. Then:
+
+* **At construction** the ranks exchange the names they hold (one object all-gather over the
+  pipeline group, only when some rank marked a parameter); the ranks that hold copies of the
+  same names get a process group of their own (one per distinct set of holders, of the
+  pipeline group's backend, created by the members only), and every copy starts from the one
+  on the lowest pipeline rank (a broadcast).
+* **In every training step**, after the stages' gradients are final (a trailing instruction
+  of the program, ``tied grads``, after the data-parallel reductions when there are any: both
+  are sums, so the order does not change the result), each holder set's gradients are summed
+  over its ranks (and over several local copies of one name) in one flat all-reduce, and
+  written back into every copy: the copies see the gradient of the one weight they stand for
+  and stay equal under any deterministic optimizer.
+* **A clipped norm** counts the weight once: ``counted_elsewhere`` names the copies whose
+  norm another rank counts.
+
+Owns: the tie groups and their flat buffers. May touch: the ``.grad`` (and, at construction,
+the data) of the marked parameters, the tie groups, the pipeline group (one all-gather of the
+names at construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphpipe.roles import tied_name
+
+from .context import RankContext
+from .faults import CommFailure
+from .program import Program
+from .tensors import grad_or_zeros
+
+__all__ = ["TiedWeights"]
+
+
+class _HolderSet:
+    """The tie names held by one set of ranks, and this rank's copies of them."""
+
+    __slots__ = ("flat", "group", "names", "params")
+
+    def __init__(self, names: list[str], params: list[list[nn.Parameter]], group: Any) -> None:
+        self.names, self.params, self.group = names, params, group
+        self.flat: torch.Tensor | None = None
+
+
+class TiedWeights:
+    """The tied weights of one pipeline rank (see the module doc)."""
+
+    name = "tied grads"
+
+    def __init__(self, ctx: RankContext, program: Program) -> None:
+        local: dict[str, list[nn.Parameter]] = {}
+        for p in ctx.parameters():
+            name = tied_name(p)
+            if name is not None:
+                local.setdefault(name, []).append(p)
+        self.sets: list[_HolderSet] = []
+        self.counted_elsewhere: set[int] = set()
+        holders = self._gather(ctx, sorted(local))
+        if holders is None:
+            return
+        by_set: dict[tuple[int, ...], list[str]] = {}
+        for name, ranks in sorted(holders.items()):
+            by_set.setdefault(tuple(ranks), []).append(name)
+        backend = dist.get_backend(ctx.group) if ctx.group is not None else None
+        for ranks, names in sorted(by_set.items()):
+            group = None
+            if len(ranks) > 1:
+                members = [ctx.global_ranks[r] for r in ranks]
+                group = dist.new_group(members, backend=backend, use_local_synchronization=True)
+            if ctx.rank not in ranks:
+                continue
+            params = [local[name] for name in names]
+            if ctx.rank != ranks[0]:
+                self.counted_elsewhere |= {id(p) for ps in params for p in ps}
+            for ps in params:  # several local copies of one name: the first counts
+                self.counted_elsewhere |= {id(p) for p in ps[1:]}
+            hs = _HolderSet(names, params, group)
+            self._start_equal(hs, ctx.global_ranks[ranks[0]])
+            self.sets.append(hs)
+        if self.sets:
+            program.append(handler=self.reduce, name=self.name)
+
+    @staticmethod
+    def _gather(ctx: RankContext, mine: Sequence[str]) -> dict[str, list[int]] | None:
+        """``{name: [pipeline ranks holding it]}`` over the pipeline (None: no rank marked
+        any parameter)."""
+        if ctx.num_ranks == 1:
+            return {name: [0] for name in mine} or None
+        flag = torch.tensor([len(mine)], dtype=torch.int64)
+        if dist.get_backend(ctx.group) == "nccl":
+            flag = flag.to(ctx.device)
+        dist.all_reduce(flag, group=ctx.group)
+        if int(flag.item()) == 0:
+            return None
+        every: list[Any] = [None] * ctx.num_ranks
+        dist.all_gather_object(every, list(mine), group=ctx.group)
+        holders: dict[str, list[int]] = {}
+        for rank, names in enumerate(every):
+            for name in names:
+                holders.setdefault(name, []).append(rank)
+        return holders
+
+    @staticmethod
+    def _start_equal(hs: _HolderSet, src: int) -> None:
+        """Every copy from the lowest rank's first copy."""
+        with torch.no_grad():
+            for ps in hs.params:
+                if hs.group is not None:
+                    dist.broadcast(ps[0].data, src=src, group=hs.group)
+                for p in ps[1:]:
+                    p.data.copy_(ps[0].data)
+
+    def reduce(self) -> None:
+        """Sum each name's gradients over its copies and write the sum into every copy."""
+        for hs in self.sets:
+            grads = []
+            for ps in hs.params:
+                g = grad_or_zeros(ps[0])
+                for p in ps[1:]:
+                    g = g + grad_or_zeros(p)
+                grads.append(g)
+            if hs.group is not None and len({g.dtype for g in grads}) > 1:
+                for g in grads:  # copies of several dtypes: one reduction each
+                    _all_reduce(g, hs.group, self.name)
+                sums = grads
+            elif hs.group is not None:
+                if hs.flat is None:
+                    total = sum(g.numel() for g in grads)
+                    hs.flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
+                torch.cat([g.reshape(-1) for g in grads], out=hs.flat)
+                _all_reduce(hs.flat, hs.group, self.name)
+                sums = hs.flat.split([g.numel() for g in grads])
+            else:
+                sums = grads
+            for ps, s in zip(hs.params, sums, strict=True):
+                for p in ps:
+                    p.grad.copy_(s.view_as(p.grad))
+
+
+def _all_reduce(t: torch.Tensor, group: Any, what: str) -> None:
+    try:
+        dist.all_reduce(t, group=group, async_op=True).wait()
+    except RuntimeError as e:
+        raise CommFailure(None, what, e.with_traceback(None)) from None
