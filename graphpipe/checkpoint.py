@@ -38,10 +38,12 @@ What one checkpoint ``ROOT/step-00000100`` holds (one DCP checkpoint, all ranks'
   ``load_state_dict()``, for example the data iterator
   (``graphpipe.data.ByteBatchIterator``).
 - ``graphpipe.json``, the marker: the step, the ranks and their stages, the saver's
-  ``meta`` and the size and CRC-32 of every other file of the checkpoint. Rank 0 writes it
-  after every rank's files are complete (to a temporary name, then a rename). A checkpoint
-  directory without it is incomplete (a rank died while saving): ``latest_checkpoint``
-  ignores it, a later save of the same step overwrites it and pruning deletes it.
+  ``meta``, the size and CRC-32 of every other file of the checkpoint, each stage's unsplit
+  key map (``graphpipe.keymap.set_unsplit_keys``; null: keys unchanged) and the names of the
+  tensors that are one tensor on their rank (tied weights). Rank 0 writes it after every
+  rank's files are complete (to a temporary name, then a rename). A checkpoint directory
+  without it is incomplete (a rank died while saving): ``latest_checkpoint`` ignores it, a
+  later save of the same step overwrites it and pruning deletes it.
 
 **Verification.** Each rank computes the CRC-32 of the files it wrote (reading them back,
 usually from the page cache) and rank 0 gathers the sizes and checksums into the marker:
@@ -57,6 +59,12 @@ their verdicts, and all raise the same error. A damaged, truncated or missing fi
 checkpoint in one process; ``find_resumable`` finds the newest one that verifies and says
 which newer ones it skipped and why.
 
+**Export.** ``export_state_dict(path)`` reads a checkpoint in one process, no process group
+needed, and returns the unsplit model's ``state_dict``: every stage key renamed by its
+stage's key map, tied weights as one tensor (under every name the unsplit model gives it),
+expert-parallel shards concatenated, no optimizer state. ``graphpipe export DIR OUT.pt``
+writes it with ``torch.save``.
+
 Resuming needs the same number of ranks and the same stage split. Load before the
 pipeline's first step: a captured step (``capture=...``, ``capture_optimizer=...``) holds the
 optimizer's state tensors, which loading replaces. Resuming from a
@@ -67,6 +75,7 @@ deterministic (``graphpipe train`` is; ``tests/test_checkpoint*.py`` check it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import pickle
@@ -94,15 +103,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from graphpipe.keymap import set_unsplit_keys, unsplit_keys, unsplit_name
+
 __all__ = [
     "MARKER",
     "CheckpointError",
     "checkpoint_info",
     "checkpoint_path",
+    "export_state_dict",
     "find_resumable",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
+    "set_unsplit_keys",
+    "unsplit_keys",
     "verify_checkpoint",
 ]
 
@@ -456,12 +470,15 @@ def save_checkpoint(
     mine = {
         "stages": sorted(stages),
         "files": files,
+        "keys": {str(i): unsplit_keys(stages[i]) for i in sorted(stages)},
+        "tied": _tied_names(model, shards),
     }
     facts = [mine]
     if distributed:
         facts = [None] * world
         dist.all_gather_object(facts, mine, group=group)
     if rank == 0:
+        tied = sorted({tuple(names) for f in facts for names in f["tied"]})
         info = {
             "format": _FORMAT,
             "step": step,
@@ -469,6 +486,8 @@ def save_checkpoint(
             "stages": [f["stages"] for f in facts],
             "meta": dict(meta or {}),
             "files": {name: rec for f in facts for name, rec in sorted(f["files"].items())},
+            "keys": {i: m for f in facts for i, m in f["keys"].items()},
+            "tied": [list(names) for names in tied],
         }
         tmp = path / (MARKER + ".tmp")
         with open(tmp, "w") as f:
@@ -481,6 +500,15 @@ def save_checkpoint(
     if distributed:
         dist.barrier(group=group)
     return path
+
+
+def _tied_names(model: nn.ModuleDict, shards: Mapping[str, str]) -> list[list[str]]:
+    """The state-dict names (as saved, ``stage{i}.{key}``) that are one tensor on this rank,
+    in groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(shards.get(name, name))
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -613,6 +641,100 @@ def _check_shapes(path: Path, metadata: Metadata, state: Mapping[str, Any]) -> N
                     f"checkpoint {str(path)!r}: {name} has shape {list(entry.size)} there "
                     f"and {list(value.shape)} in this rank's stages (another model size?)"
                 )
+
+
+def export_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The unsplit model's ``state_dict`` from the checkpoint at ``path``, read in this process
+    (no process group needed), on the CPU; ``model.load_state_dict(sd, strict=True)`` loads
+    it into the unsplit model.
+
+    Every file is verified first (``verify_checkpoint``). Each stage key is renamed by its
+    stage's key map (``set_unsplit_keys``; a stage without one keeps its keys). A tensor
+    tied on its rank (the built-in model's embedding and head) is one tensor under each of
+    its names; two stages whose keys map to the same name must hold equal tensors, which
+    are exported once. Expert-parallel shards (``...[experts 0-1 of 4]``) are concatenated
+    into all of the experts. No optimizer state, no RNG, no step.
+
+    Raises ``FileNotFoundError`` (not a complete checkpoint), ``CheckpointError`` (a file does
+    not verify; a checkpoint saved without key maps) and ``ValueError`` naming the key when
+    two different tensors map to one name or the expert shards do not cover every expert.
+    """
+    path = Path(path)
+    info = _marker(path)
+    _verify(path, info)
+    keymaps: dict[str, Any] = info["keys"]
+    saved = _read_dcp_metadata(path).state_dict_metadata
+    names = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    first = {name: group[0] for group in info["tied"] for name in group}  # read once
+    wanted: dict[str, Any] = {}
+    for name in names:
+        entry = saved["model." + name]
+        if first.get(name, name) != name:
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(f"export: model.{name} of checkpoint {path} is not a tensor")
+        wanted[name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    with _single_process_quiet():
+        dcp.load({"model": wanted}, checkpoint_id=path, no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    parts: dict[str, list[tuple[int, int, int, torch.Tensor, str]]] = {}
+    for name in names:
+        tensor = wanted[first.get(name, name)]
+        m = _STAGE_KEY.fullmatch(name)
+        if m is None:
+            raise ValueError(f"export: model.{name} of checkpoint {path} is not a stage's key")
+        key = m.group(2)
+        shard = _SHARD.fullmatch(key)
+        if shard is not None:
+            key = shard.group(1)
+        full = unsplit_name(key, keymaps.get(m.group(1)))
+        if shard is not None:
+            lo, hi, of = (int(g) for g in shard.group(2, 3, 4))
+            parts.setdefault(full, []).append((lo, hi, of, tensor, name))
+            continue
+        if full in out:
+            _check_same(full, source[full], out[full], name, tensor)
+            continue
+        out[full], source[full] = tensor, name
+    for full, shards in parts.items():
+        out[full] = _join_experts(full, shards)
+    return out
+
+
+def _check_same(key: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Two checkpoint tensors mapped to one unsplit ``key``: they must be one and the same."""
+    if a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
+        return
+    raise ValueError(
+        f"export: {name_a} and {name_b} both map to the unsplit key {key!r} but hold "
+        f"different tensors ({list(a.shape)} {a.dtype}, {list(b.shape)} {b.dtype}); check the "
+        "stages' set_unsplit_keys maps"
+    )
+
+
+def _join_experts(key: str, shards: list[tuple[int, int, int, torch.Tensor, str]]) -> torch.Tensor:
+    """The experts' shards of one parameter, ``(first, last, of, tensor, name)``, in order."""
+    held: dict[tuple[int, int, int], tuple[torch.Tensor, str]] = {}
+    for lo, hi, of, tensor, name in shards:
+        if (lo, hi, of) in held:  # the same experts in two stages (tied): must be equal
+            _check_same(key, held[lo, hi, of][1], held[lo, hi, of][0], name, tensor)
+            continue
+        held[lo, hi, of] = (tensor, name)
+    spans = sorted(held)
+    whole = (
+        len({of for _, _, of in spans}) == 1
+        and spans[0][0] == 0
+        and all(a[1] + 1 == b[0] for a, b in itertools.pairwise(spans))
+        and spans[-1][1] + 1 == spans[0][2]
+    )
+    if not whole:
+        listed = ", ".join(f"{lo}-{hi} of {of}" for lo, hi, of in spans)
+        raise ValueError(
+            f"export: the expert shards of {key!r} do not cover every expert once "
+            f"(the checkpoint holds experts {listed})"
+        )
+    return torch.cat([held[span][0] for span in spans])
 
 
 def _rng_bytes() -> bytes:
