@@ -600,13 +600,12 @@ def _check_loadable(
     info = _marker(path)
     if info["world_size"] != world:
         raise ValueError(
-            f"checkpoint {str(path)!r} was saved by {info['world_size']} ranks, "
-            f"this run has {world}"
+            f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {world}"
         )
     saved_stages = info["stages"][rank]
     if saved_stages != sorted(stages):
         raise ValueError(
-            f"checkpoint {str(path)!r} holds stages {saved_stages} for rank {rank}, "
+            f"checkpoint {path} holds stages {saved_stages} for rank {rank}, "
             f"this rank has stages {sorted(stages)}"
         )
     if verify:
@@ -633,12 +632,12 @@ def _check_shapes(path: Path, metadata: Metadata, state: Mapping[str, Any]) -> N
             entry = saved.get(name)
             if entry is None:
                 raise ValueError(
-                    f"checkpoint {str(path)!r} holds no {name!r}, which this rank's stages "
+                    f"checkpoint {path} holds no {name}, which this rank's stages "
                     "or optimizer have (saved from another model or optimizer?)"
                 )
             if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != value.shape:
                 raise ValueError(
-                    f"checkpoint {str(path)!r}: {name} has shape {list(entry.size)} there "
+                    f"checkpoint {path}: {name} has shape {list(entry.size)} there "
                     f"and {list(value.shape)} in this rank's stages (another model size?)"
                 )
 

@@ -272,10 +272,10 @@ def test_loading_into_stages_of_another_width_names_the_key_and_both_shapes(
     with pytest.raises(ValueError) as caught:
         load_checkpoint(path, mine, torch.optim.AdamW(unique_parameters(wide)))
     assert str(caught.value).splitlines()[0] == (
-        f"checkpoint {str(path)!r}: model.stage0.embed.weight has shape [256, 16] there and "
+        f"checkpoint {path}: model.stage0.embed.weight has shape [256, 16] there and "
         "[256, 32] in this rank's stages (another model size?)"
     )
-    with pytest.raises(ValueError, match=r"holds no 'model.stage1.extra.weight'"):
+    with pytest.raises(ValueError, match=r"holds no model\.stage1\.extra\.weight, "):
         stages[1].extra = torch.nn.Linear(2, 2, bias=False)
         load_checkpoint(path, stages, opt)
 
