@@ -660,7 +660,8 @@ def build_stages(
     (they are drawn in float32 in a fixed order, then cast), and building does not touch the
     global RNG. The head of the last stage is an ``nn.Linear`` whose ``weight`` is the very
     ``Parameter`` of stage 0's embedding, so ``nn.Sequential(*stages)`` is the whole model.
-    Each stage declares its blocks' names in ``build_model`` (``graphpipe.keymap``), so that
+    Each stage declares which keys of ``build_model`` it holds (``layers.j`` is
+    ``layers.{first_layer + j}``; ``graphpipe.keymap.set_unsplit_keys``), so that
     ``graphpipe.checkpoint.export_state_dict`` of a checkpoint loads into ``build_model``.
     Blocks are spread as ``layers_per_stage`` says; it raises ``ValueError`` when
     ``config.n_layers < num_stages - 2``.
