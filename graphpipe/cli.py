@@ -237,6 +237,7 @@ _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.Argument
     "train": lambda sub: _lazy("train").add_parser(sub),
     "bench": lambda sub: _lazy("bench").add_parser(sub),
     "profile": lambda sub: _lazy("profile").add_parser(sub),
+    "export": lambda sub: _lazy("export").add_parser(sub),
 }
 
 

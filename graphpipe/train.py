@@ -193,8 +193,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in --checkpoint-dir (start from "
-        "scratch if there is none); the model settings must be the checkpoint's",
+        help="continue from the newest checkpoint in --checkpoint-dir whose files verify, "
+        "naming each newer one skipped and why (start from scratch if it holds none; exit "
+        "status 1 if it holds checkpoints but none verifies); the model settings must be "
+        "the checkpoint's",
     )
     p.set_defaults(func=run)
     return p
@@ -447,16 +449,46 @@ def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_checkpoints(args: argparse.Namespace) -> str | None:
-    from .checkpoint import checkpoint_info, latest_checkpoint
+    """``--checkpoint-dir`` can be written, and with ``--resume``: the newest checkpoint there
+    that verifies (``graphpipe.checkpoint.find_resumable``), which must fit this run.
 
-    latest = latest_checkpoint(args.checkpoint_dir)
-    if latest is None:
-        return None
+    Prints a line per newer checkpoint it skipped; exits with status 1 (``SystemExit``)
+    when the directory holds complete checkpoints but none verifies. With none at all, the
+    run starts from step 0 (so that a job restarted by torchrun can always pass --resume).
+    """
+    import tempfile
+
+    from .checkpoint import checkpoint_info, find_resumable, latest_checkpoint
+
+    root = args.checkpoint_dir
+    try:  # the first save comes after --checkpoint-every steps: fail now instead
+        os.makedirs(root, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as e:
+        return f"--checkpoint-dir {root}: cannot write there ({e.strerror or e})"
     if not args.resume:
+        latest = latest_checkpoint(root)
+        if latest is None:
+            return None
         return (
-            f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (newest: "
+            f"--checkpoint-dir {root} already holds checkpoints (newest: "
             f"{latest.name}); pass --resume to continue from it, or choose another directory"
         )
+    latest, skipped = find_resumable(root)
+    say = os.environ.get("LOCAL_RANK", "0") == "0"  # once per machine under torchrun
+    for path, why in skipped:
+        if say:
+            print(f"graphpipe train: --resume: skipped {path}: {why}", file=sys.stderr)
+    if latest is None:
+        if latest_checkpoint(root) is None:
+            return None  # nothing saved yet (at most a save cut short): a fresh start
+        if say:
+            print(
+                f"graphpipe train: error: --resume: no checkpoint in {root} verifies; "
+                "move them away to start from step 0",
+                file=sys.stderr,
+            )
+        raise SystemExit(1)
     info = checkpoint_info(latest)
     world = args.ranks * args.dp
     if info["world_size"] != world:

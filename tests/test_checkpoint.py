@@ -1,13 +1,16 @@
-"""graphpipe.checkpoint: save and resume a pipeline's training state with DCP.
+"""graphpipe.checkpoint: save, verify and resume a pipeline's training state with DCP.
 
-One process (a one-rank pipeline, both stages local) for the API and its errors; two
-spawned gloo ranks for the keying of the ranks' different stages in one checkpoint.
+One process (a one-rank pipeline, both stages local) for the API, its errors and every kind
+of damaged checkpoint; two spawned gloo ranks for the keying of the ranks' different stages
+in one checkpoint and for the ranks' agreement on a damaged file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +20,13 @@ import torch
 import graphpipe
 from graphpipe.checkpoint import (
     MARKER,
+    CheckpointError,
     checkpoint_path,
+    find_resumable,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from graphpipe.data import ByteBatches
 from graphpipe.models import LlamaConfig, LlamaLoss, build_stages, unique_parameters
@@ -115,6 +121,20 @@ def test_a_directory_without_the_marker_is_incomplete_and_ignored(tmp_path: Path
     assert json.loads((newer / MARKER).read_text())["step"] == 5
 
 
+def test_keep_counts_only_the_checkpoints_up_to_the_saved_step(tmp_path: Path) -> None:
+    # A run resumed from step 2 (step 5 did not verify) saves step 3: step 5 stays until the
+    # run overwrites it, and does not push out the checkpoints the run could resume from.
+    stages, _, opt = _pipeline()
+    for step in (1, 2, 5):
+        save_checkpoint(tmp_path, step, stages, opt)
+    save_checkpoint(tmp_path, 3, stages, opt, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000002",
+        "step-00000003",
+        "step-00000005",
+    ]
+
+
 def test_keep_prunes_older_checkpoints(tmp_path: Path) -> None:
     stages, _, opt = _pipeline()
     for step in (1, 2, 3):
@@ -156,6 +176,110 @@ def test_bad_arguments_name_the_value(tmp_path: Path, kwargs: dict, match: str) 
         save_checkpoint(**args)
 
 
+# ------------------------------------------------------------------ verification
+
+
+def _flip(file: Path) -> None:
+    """64 garbage bytes in the middle of ``file`` (its size unchanged)."""
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 64] = bytes(255 - b for b in data[mid : mid + 64])
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+DAMAGE = {  # kind: (file, how, what the error says about it)
+    "bytes flipped": ("__0_0.distcp", _flip, r"file __0_0\.distcp is corrupt \(CRC-32 "),
+    "truncated": ("__0_0.distcp", _truncate, r"file __0_0\.distcp is truncated \(\d+ bytes, "),
+    "file deleted": ("__0_0.distcp", Path.unlink, r"file __0_0\.distcp is missing"),
+    "metadata deleted": (".metadata", Path.unlink, r"file \.metadata is missing"),
+}
+
+
+def test_the_marker_records_every_files_size_and_crc32(tmp_path: Path) -> None:
+    import zlib
+
+    stages, _, opt = _pipeline()
+    path = save_checkpoint(tmp_path, 1, stages, opt)
+    files = json.loads((path / MARKER).read_text())["files"]
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != MARKER)
+    assert sorted(files) == on_disk == [".metadata", "__0_0.distcp"]
+    for name, rec in files.items():
+        data = (path / name).read_bytes()
+        assert rec == {"rank": 0, "size": len(data), "crc32": zlib.crc32(data)}
+    verify_checkpoint(path)  # raises if not
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_a_damaged_checkpoint_is_a_one_line_error_and_nothing_is_loaded(
+    tmp_path: Path, kind: str
+) -> None:
+    name, damage, says = DAMAGE[kind]
+    stages, _, opt = _pipeline()
+    older = save_checkpoint(tmp_path, 2, stages, opt)
+    newer = save_checkpoint(tmp_path, 4, stages, opt)
+    damage(newer / name)
+    fresh, _, opt2 = _pipeline()
+    with torch.no_grad():
+        fresh[0].embed.weight.zero_()
+    first_line = rf"^checkpoint {re.escape(str(newer))}: {says}"
+    with pytest.raises(CheckpointError, match=first_line) as caught:
+        load_checkpoint(newer, fresh, opt2)
+    assert "\n" not in str(caught.value) and caught.value.file == name
+    assert caught.value.path == newer
+    assert not fresh[0].embed.weight.any()  # verified before anything was loaded
+    with pytest.raises(CheckpointError, match=first_line):
+        verify_checkpoint(newer)
+    found, skipped = find_resumable(tmp_path)
+    assert found == older
+    assert [p for p, _ in skipped] == [newer] and re.match(says, skipped[0][1])
+    assert load_checkpoint(found, fresh, opt2) == 2
+
+
+def test_find_resumable_skips_an_incomplete_save_and_finds_none_in_an_empty_root(
+    tmp_path: Path,
+) -> None:
+    stages, _, opt = _pipeline()
+    older = save_checkpoint(tmp_path, 1, stages, opt)
+    newer = save_checkpoint(tmp_path, 3, stages, opt)
+    (newer / MARKER).unlink()  # a rank died before rank 0 marked it complete
+    assert find_resumable(tmp_path) == (older, [(newer, f"incomplete (no readable {MARKER})")])
+    assert find_resumable(tmp_path / "missing") == (None, [])
+
+
+def test_a_checkpoint_without_checksums_loads_only_unverified(tmp_path: Path) -> None:
+    stages, _, opt = _pipeline()
+    path = save_checkpoint(tmp_path, 1, stages, opt)
+    info = json.loads((path / MARKER).read_text())
+    old = {k: info[k] for k in ("step", "world_size", "stages", "meta")}
+    (path / MARKER).write_text(json.dumps({"format": "graphpipe-checkpoint-1", **old}))
+    with pytest.raises(CheckpointError, match=r"records no checksums .*verify=False"):
+        load_checkpoint(path, stages, opt)
+    assert find_resumable(tmp_path)[0] is None
+    assert load_checkpoint(path, stages, opt, verify=False) == 1
+
+
+def test_loading_into_stages_of_another_width_names_the_key_and_both_shapes(
+    tmp_path: Path,
+) -> None:
+    stages, _, opt = _pipeline()
+    path = save_checkpoint(tmp_path, 1, stages, opt)
+    wide = build_stages(dataclasses.replace(CFG, hidden=32), 2, seed=0)
+    mine = {0: wide[0], 1: wide[1]}
+    with pytest.raises(ValueError) as caught:
+        load_checkpoint(path, mine, torch.optim.AdamW(unique_parameters(wide)))
+    assert str(caught.value).splitlines()[0] == (
+        f"checkpoint {path}: model.stage0.embed.weight has shape [256, 16] there and "
+        "[256, 32] in this rank's stages (another model size?)"
+    )
+    with pytest.raises(ValueError, match=r"holds no model\.stage1\.extra\.weight, "):
+        stages[1].extra = torch.nn.Linear(2, 2, bias=False)
+        load_checkpoint(path, stages, opt)
+
+
 # ------------------------------------------------------------------ two gloo ranks
 
 
@@ -190,6 +314,35 @@ def test_two_ranks_resume_their_own_stages_bit_for_bit(tmp_path: Path) -> None:
     assert stages_saved == {"stage0", "stage1", "stage2", "stage3"}
     info = json.loads((checkpoint_path(tmp_path, 2) / MARKER).read_text())
     assert info["world_size"] == 2 and info["stages"] == [[0, 3], [1, 2]]
+    writers = {name: rec["rank"] for name, rec in info["files"].items()}
+    assert writers == {".metadata": 0, "__0_0.distcp": 0, "__1_0.distcp": 1}
+
+
+def _one_ranks_file_damaged(rank: int, world: int, root: str) -> str:
+    import torch.distributed as dist
+
+    stages = build_stages(CFG, 2 * world, seed=0)
+    mine = {rank: stages[rank], 2 * world - 1 - rank: stages[2 * world - 1 - rank]}
+    opt = torch.optim.AdamW(unique_parameters(mine.values()), lr=1e-2)
+    path = save_checkpoint(root, 1, mine, opt)
+    if rank == 0:
+        _flip(path / "__1_0.distcp")  # rank 1's file: rank 0 finds its own files intact
+    dist.barrier()
+    try:
+        load_checkpoint(path, mine, opt)
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.distributed
+def test_every_rank_raises_the_same_error_for_one_ranks_damaged_file(tmp_path: Path) -> None:
+    results = run_ranks(_one_ranks_file_damaged, 2, str(tmp_path), timeout=60)
+    path = checkpoint_path(tmp_path, 1)
+    assert results[0] == results[1]
+    assert results[0].startswith(
+        f"CheckpointError: checkpoint {path}: file __1_0.distcp is corrupt (CRC-32 "
+    )
 
 
 def test_checkpoint_info_reads_the_marker_with_the_savers_meta(tmp_path: Path) -> None:
@@ -238,13 +391,14 @@ def _expert_shards_case(rank: int, world: int, root: str) -> dict:
     return {
         "experts": torch.equal(w_up, saved),
         "moment": torch.equal(opt2.state[w_up]["exp_avg"], saved_moment),
+        "w_up": saved,
     }
 
 
 @pytest.mark.distributed
 def test_expert_parallel_shards_are_each_saved_and_restored(tmp_path: Path) -> None:
     results = run_ranks(_expert_shards_case, 2, str(tmp_path))
-    assert results == [{"experts": True, "moment": True}] * 2
+    assert [(r["experts"], r["moment"]) for r in results] == [(True, True)] * 2
     import torch.distributed.checkpoint as dcp
 
     keys = dcp.FileSystemReader(str(checkpoint_path(tmp_path, 1))).read_metadata()
@@ -252,3 +406,13 @@ def test_expert_parallel_shards_are_each_saved_and_restored(tmp_path: Path) -> N
     assert "model.stage0.layers.0.mlp.w_up[experts 0-1 of 4]" in names
     assert "model.stage0.layers.0.mlp.w_up[experts 2-3 of 4]" in names
     assert "optim.state.stage0.layers.0.mlp.w_up[experts 2-3 of 4].exp_avg" in names
+    # The export joins the shards: all four experts, loadable into the unsplit model.
+    from graphpipe.checkpoint import export_state_dict
+    from graphpipe.models import build_model
+
+    state = export_state_dict(checkpoint_path(tmp_path, 1))
+    assert torch.equal(state["layers.0.mlp.w_up"], torch.cat([r["w_up"] for r in results]))
+    cfg = LlamaConfig(
+        hidden=16, n_layers=2, n_heads=2, max_seq_len=8, use_kernels=False, num_experts=4
+    )
+    build_model(cfg).load_state_dict(state, strict=True)

@@ -205,7 +205,7 @@ def test_a_batch_too_small_for_the_ranks_says_what_to_pass(capsys) -> None:
 def _fake_checkpoint(root: Path, step: int, world: int, **meta) -> Path:
     path = root / f"step-{step:08d}"
     path.mkdir(parents=True)
-    info = {"format": "graphpipe-checkpoint-1", "step": step, "world_size": world}
+    info = {"format": "graphpipe-checkpoint-2", "step": step, "world_size": world, "files": {}}
     info |= {"stages": [[r, 2 * world - 1 - r] for r in range(world)], "meta": meta}
     (path / "graphpipe.json").write_text(json.dumps(info))
     return path

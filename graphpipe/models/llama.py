@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphpipe.keymap import set_unsplit_keys
 from graphpipe.models.moe import MoEMLP, reset_dropped_tokens
 from graphpipe.models.overlap import Exchange, Tape, drain, overlapped_pair
 
@@ -659,6 +660,9 @@ def build_stages(
     (they are drawn in float32 in a fixed order, then cast), and building does not touch the
     global RNG. The head of the last stage is an ``nn.Linear`` whose ``weight`` is the very
     ``Parameter`` of stage 0's embedding, so ``nn.Sequential(*stages)`` is the whole model.
+    Each stage declares which keys of ``build_model`` it holds (``layers.j`` is
+    ``layers.{first_layer + j}``; ``graphpipe.keymap.set_unsplit_keys``), so that
+    ``graphpipe.checkpoint.export_state_dict`` of a checkpoint loads into ``build_model``.
     Blocks are spread as ``layers_per_stage`` says; it raises ``ValueError`` when
     ``config.n_layers < num_stages - 2``.
     """
@@ -699,6 +703,8 @@ def build_stages(
         )
         stage.rope_cos = stage.rope_cos.to(device=device, dtype=dtype)
         stage.rope_sin = stage.rope_sin.to(device=device, dtype=dtype)
+        # Its blocks are layers.0.. here and layers.start.. in the unsplit model.
+        set_unsplit_keys(stage, {f"layers.{j}": f"layers.{start + j}" for j in range(count)})
         stages.append(stage)
         start += count
     return stages

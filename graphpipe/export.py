@@ -1,0 +1,99 @@
+"""``graphpipe export DIR OUT.pt``: the unsplit model's ``state_dict`` from a checkpoint.
+
+``DIR`` is a checkpoint (a directory with ``graphpipe.json`` or DCP's ``.metadata``) or a
+checkpoint root, meaning its newest checkpoint whose files verify (each newer one skipped is
+named, with why). ``OUT.pt`` gets ``graphpipe.checkpoint.export_state_dict`` of it through
+``torch.save`` (to a temporary name, then a rename), so that
+``model.load_state_dict(torch.load("OUT.pt"), strict=True)`` loads it into the unsplit model.
+
+Argument errors (no ``DIR``, ``OUT.pt`` a directory or in none) exit with status 2 before
+any work; a checkpoint that does not verify or export exits with status 1; one line each.
+Only the parser is built on import: the command imports torch when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+_PROG = "graphpipe export"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``graphpipe export`` on the subparsers ``sub``."""
+    p = sub.add_parser(
+        "export",
+        help="write the unsplit model's state_dict from a checkpoint",
+        description=(
+            "Read a graphpipe checkpoint in this process (no process group), verify its "
+            "files, and write the unsplit model's state_dict with torch.save: each stage's "
+            "keys renamed by its key map, tied weights once, expert shards joined, no "
+            "optimizer state. load_state_dict(torch.load(OUT.pt), strict=True) loads it."
+        ),
+    )
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a checkpoint (DIR/step-NNNNNNNN), or a checkpoint directory: its newest "
+        "checkpoint that verifies",
+    )
+    p.add_argument("out", metavar="OUT.pt", help="the file to write")
+    p.set_defaults(func=run, parser=p)
+    return p
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if not os.path.isdir(args.dir):
+        return f"{args.dir}: no such directory"
+    if os.path.isdir(args.out):
+        return f"{args.out} is a directory; give a file name"
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(parent):
+        return f"{args.out}: directory {parent} does not exist"
+    return None
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    """``graphpipe export``: check the arguments, find the checkpoint, export, write."""
+    problem = _check(args)
+    if problem is not None:
+        return _fail(problem, 2)
+    import torch
+
+    from .checkpoint import MARKER, export_state_dict, find_resumable
+
+    path = Path(args.dir)
+    if not ((path / MARKER).exists() or (path / ".metadata").exists()):
+        found, skipped = find_resumable(path)
+        for p, why in skipped:
+            print(f"{_PROG}: skipped {p}: {why}", file=sys.stderr)
+        if found is None:
+            what = "verifies" if skipped else "is there (no step-N directory)"
+            return _fail(f"{path}: no checkpoint {what}", 1)
+        path = found
+    try:
+        state = export_state_dict(path)
+    except (OSError, ValueError) as e:
+        return _fail(str(e), 1)
+    tmp = f"{args.out}.tmp"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, args.out)
+    except OSError as e:
+        return _fail(f"cannot write {args.out} ({e.strerror or e})", 1)
+    count = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
+    print(
+        f"{_PROG}: wrote {args.out}: {len(state)} tensors, {count:,} parameters, from {path}",
+        file=sys.stderr,
+    )
+    return 0
