@@ -1,6 +1,7 @@
 """Pipeline x data parallel on a ("dp", "pp") DeviceMesh of 4 gloo ranks (PP 2 x DP 2), with
-tied weights, activation checkpointing, clipping inside the step, capture, and DDP / FSDP2
-stages refused; against a single-process reference of the whole batch (both replicas').
+tied weights, activation checkpointing, clipping inside the step, capture, and DDP / FSDP1
+stages refused (FSDP2 stages: tests/test_fsdp.py); against a single-process reference of the
+whole batch (both replicas').
 
 One spawn runs every case (4-rank spawns are the expensive part of the suite).
 """
@@ -137,7 +138,7 @@ def _twin_case(mesh, case: dict) -> dict:
 
 
 def _wrapped_case(mesh, kind: str) -> str:
-    """The error for a DDP-wrapped or FSDP2-sharded stage (None: no error)."""
+    """The error for a DDP-wrapped or FSDP1-wrapped stage (None: no error)."""
     import graphpipe
 
     p = mesh.get_local_rank("pp")
@@ -147,9 +148,12 @@ def _wrapped_case(mesh, kind: str) -> str:
 
         stages[p] = DistributedDataParallel(stages[p], process_group=mesh.get_group("dp"))
     else:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
-        fully_shard(stages[2 * PP - 1 - p].fc1, mesh=mesh["dp"])
+        last = stages[2 * PP - 1 - p]
+        last.fc1 = FullyShardedDataParallel(
+            last.fc1, process_group=mesh.get_group("dp"), device_id=torch.device("cpu")
+        )
     try:
         graphpipe.DualPipeV(
             _mine(stages, p, "dualpipev"),
@@ -248,8 +252,10 @@ def test_ddp_wrapped_stage_is_refused_with_what_to_pass_instead(results) -> None
         assert "dp_group=ddp.process_group" in res["ddp"]
 
 
-def test_fsdp2_sharded_stage_is_refused_with_what_to_do_instead(results) -> None:
+def test_fsdp1_wrapped_stage_is_refused_with_what_to_do_instead(results) -> None:
     for rank, res in enumerate(results):
         stage = 2 * PP - 1 - rank % PP
-        assert f"stage {stage} (submodule 'fc1') is sharded with fully_shard" in res["fsdp"]
+        want = f"stage {stage} (submodule 'fc1') is wrapped in FullyShardedDataParallel"
+        assert want in res["fsdp"]
+        assert "fully_shard (FSDP2) instead" in res["fsdp"]
         assert "dp_group=mesh.get_group('dp')" in res["fsdp"]

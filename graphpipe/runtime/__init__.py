@@ -19,6 +19,8 @@ batch           agreement on each batch across ranks
 tensors         a value as a tuple of tensors, a batch split into micro-batches
 capture         warmup record -> static plan -> static step / CUDA graphs -> replay
 data_parallel   gradient and loss averaging over the data-parallel replicas, in the step
+fsdp            FSDP2-sharded stages: all-gathers early, one reduce-scatter per stage and step
+tied            weights tied across pipeline ranks: equal copies, gradients summed in the step
 clipping        gradient clipping by the global norm across pipeline ranks, in the step
 ==============  ==============================================================================
 """

@@ -15,6 +15,8 @@ them all by
 * expert parameters (mixture of experts) differ across the pipeline's ``expert_groups.
   ep_group``, each rank holding ``E / ep`` of every MoE block's experts: their share is
   reduced over that group first;
+* DTensor gradients (tensor parallel, FSDP2) count their local shard, reduced over the mesh
+  dims that shard them (a replicated dim holds copies: counted once);
 * the scale is a tensor, applied with no host synchronization (no ``.item()``, no branch on
   the norm), so it can run inside a captured step.
 
@@ -29,10 +31,12 @@ the pipeline group (one all-reduce of one element).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from graphpipe.roles import is_expert
 
@@ -73,24 +77,20 @@ class GradClipper:
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         ctx = self.ctx
         params = [p for p in ctx.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        skip = self.counted_elsewhere
-        counted = [p for p in params if id(p) not in skip] if skip else params
+        grads = [_local(p.grad) for p in params]
         dtype = torch.float32
         for g in grads:
             dtype = torch.promote_types(dtype, g.dtype)
         inf = math.isinf(norm_type)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        ep = self.ep_group
-        if ep is not None and dist.get_world_size(ep) > 1:
-            experts = [p.grad for p in counted if is_expert(p)]
-            share = _partial(experts, norm_type, dtype, ctx.device)
-            dist.all_reduce(share, op=op, group=ep)  # every rank's share of the experts
-            rest = [p.grad for p in counted if not is_expert(p)]
-            rest_part = _partial(rest, norm_type, dtype, ctx.device)
-            local = torch.maximum(rest_part, share) if inf else rest_part + share
-        else:
-            local = _partial([p.grad for p in counted], norm_type, dtype, ctx.device)
+        local = None
+        for groups, share in self._shares(params).items():
+            part = _partial(share, norm_type, dtype, ctx.device)
+            for g in groups:  # the shards of these gradients on other ranks
+                dist.all_reduce(part, op=op, group=g)
+            local = part if local is None else torch.maximum(local, part) if inf else local + part
+        if local is None:
+            local = torch.zeros((), dtype=dtype, device=ctx.device)
         if ctx.num_ranks > 1:
             dist.all_reduce(local, op=op, group=ctx.group)
         total = local if inf else local.pow(1.0 / norm_type)
@@ -101,6 +101,28 @@ class GradClipper:
         for dt, gs in by_dtype.items():
             torch._foreach_mul_(gs, scale.to(dt))
         return total
+
+    def _shares(self, params: list[nn.Parameter]) -> dict[tuple, list[torch.Tensor]]:
+        """This rank's gradients by the groups whose ranks hold their other shards: none for a
+        plain gradient (counted once: a tied copy another rank counts is left out), the ep
+        group for sharded experts, a DTensor's mesh dims that shard it (tensor parallel,
+        FSDP2; replicated dims hold copies and count once)."""
+        shares: dict[tuple, list[torch.Tensor]] = {(): []}
+        skip = self.counted_elsewhere
+        ep = self.ep_group
+        sharded_experts = ep is not None and dist.get_world_size(ep) > 1
+        for p in params:
+            if id(p) in skip:
+                continue
+            g = p.grad
+            groups: tuple = ()
+            if _is_dtensor(g):
+                groups = _shard_groups(g)
+                g = g.to_local()
+            elif sharded_experts and is_expert(p):
+                groups = (ep,)
+            shares.setdefault(groups, []).append(g)
+        return shares
 
     def in_step(self, program: Program, max_norm: float, norm_type: float) -> None:
         """Make every run of the training ``program`` end with ``clip`` (after the
@@ -122,3 +144,27 @@ def _partial(
         return torch.zeros((), dtype=dtype, device=device)
     stacked = torch.stack([n.to(dtype) for n in torch._foreach_norm(grads, norm_type)])
     return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor gradient (scaled in place), else the gradient."""
+    return g.to_local() if _is_dtensor(g) else g
+
+
+def _shard_groups(g: Any) -> tuple:
+    """The process groups of the mesh dims that shard the DTensor gradient ``g``."""
+    groups = []
+    for dim, placement in enumerate(g.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"a gradient of shape {list(g.shape)} is a DTensor with a pending reduction "
+                f"({g.placements}): clip after the gradients are reduced"
+            )
+        if placement.is_shard():
+            groups.append(g.device_mesh.get_group(dim))
+    return tuple(groups)

@@ -35,10 +35,11 @@ and the initial broadcast sends them over ``expert_dp_group`` only. Without
 ``expert_groups`` (the pipeline allows it only when no experts are sharded: every rank holds
 all of them) they are averaged over ``dp_group`` like the rest.
 
-Stages wrapped in ``DistributedDataParallel`` or sharded with FSDP are refused
-(``check_stage_wrappers``): their hooks would fire per micro-batch and the deferred weight
-gradients bypass them (DDP replicas then drift apart with no error; FSDP2 fails inside the
-``W`` on a DTensor gradient).
+Stages wrapped in ``DistributedDataParallel`` or FSDP1's ``FullyShardedDataParallel`` are
+refused (``check_stage_wrappers``): their hooks would fire per micro-batch and the deferred
+weight gradients bypass them (DDP replicas would drift apart with no error). Stages sharded
+with FSDP2's ``fully_shard`` are supported (``runtime/fsdp.py``): their parameters are
+reduce-scattered by FSDP and left out of this module's averaging (``managed``).
 
 **Failures.** A failure on one replica must end the step on the others too: their ranks
 are waiting on this step's reductions, which the failed replica will never post. On gloo the
@@ -88,13 +89,13 @@ def _wrappers() -> tuple[tuple[type, str], ...]:
     if ddp is not None:
         out.append((ddp.DistributedDataParallel, "DDP"))
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is not None:
-        out += [(fsdp.FSDPModule, "FSDP2"), (fsdp.FullyShardedDataParallel, "FSDP")]
+    if fsdp is not None:  # FSDP2 (fully_shard) is supported: runtime/fsdp.py
+        out.append((fsdp.FullyShardedDataParallel, "FSDP"))
     return tuple(out)
 
 
 def check_stage_wrappers(stages: Sequence[nn.Module], stage_ids: Sequence[int]) -> None:
-    """``ValueError`` for a stage that is (or holds) a DDP or FSDP module, naming the stage,
+    """``ValueError`` for a stage that is (or holds) a DDP or FSDP1 module, naming the stage,
     the module and what to pass instead."""
     kinds = _wrappers()
     for s, stage in zip(stage_ids, stages, strict=True):
@@ -111,14 +112,12 @@ def check_stage_wrappers(stages: Sequence[nn.Module], stage_ids: Sequence[int]) 
                         "dp_group=ddp.process_group: the pipeline averages each stage's "
                         "gradients once per step, after its last W"
                     )
-                how = "fully_shard (FSDP2)" if kind == "FSDP2" else "FullyShardedDataParallel"
                 raise ValueError(
-                    f"{where} is sharded with {how}, which graphpipe does not support: its "
-                    "all-gathers and reduce-scatters hang on per-micro-batch forward/backward "
-                    "hooks that the split backward (I, then a deferred W) bypasses. Pass the "
-                    "unsharded stage and dp_group=mesh.get_group('dp') for replicated data "
-                    "parallelism (gradients averaged once per step, after each stage's last "
-                    "W), or use torch.distributed.pipelining.PipelineStage for FSDP stages"
+                    f"{where} is wrapped in FullyShardedDataParallel (FSDP1), which graphpipe "
+                    "does not support: its hooks reduce per micro-batch and the split "
+                    "backward (I, then a deferred W) bypasses them. Shard the stage with "
+                    "torch.distributed.fsdp.fully_shard (FSDP2) instead and pass "
+                    "dp_group=mesh.get_group('dp')"
                 )
 
 
@@ -166,7 +165,8 @@ class DataParallel:
     notices join it), ``ranges``: its ranges. ``bucket_cap_mb``: the largest bucket in MiB (a
     larger parameter is its own bucket). ``expert_groups``: the ``ExpertGroups`` of stages with
     expert parameters. ``loss_reduction``: ``"mean"`` averages the gradients and the loss over
-    the replicas, ``"sum"`` sums them.
+    the replicas, ``"sum"`` sums them. ``managed``: ids of the parameters another part
+    reduces (FSDP2 modules'): neither averaged nor broadcast here.
     """
 
     name = "dp grads"  # what a failure while waiting names (the program's ``wait dp grads``)
@@ -181,6 +181,7 @@ class DataParallel:
         bucket_cap_mb: float = 25.0,
         expert_groups: Any = None,
         loss_reduction: str = "mean",
+        managed: set[int] = frozenset(),
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("dp_group was given but torch.distributed is not initialized")
@@ -201,6 +202,7 @@ class DataParallel:
             self.faults.replica = dist.get_rank(dp_group)
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
         self._check_layout(ctx)
+        self.managed = managed  # ids of parameters another part reduces (FSDP2's)
         self._sync_state(ctx.modules)
         last = program.last_grad_steps()
         ids = ctx.stage_ids
@@ -209,7 +211,7 @@ class DataParallel:
         owner: dict[int, tuple[int, nn.Parameter]] = {}
         for li in sorted(at, key=lambda li: (at[li], li)):  # the later stage keeps a tied one
             for p in ctx.modules[li].parameters():
-                if p.requires_grad:
+                if p.requires_grad and id(p) not in managed:
                     owner.pop(id(p), None)
                     owner[id(p)] = (li, p)
         cap = int(bucket_cap_mb * 2**20)
@@ -261,7 +263,7 @@ class DataParallel:
         with torch.no_grad():
             for mod in modules:
                 for t in [*mod.parameters(), *mod.buffers()]:
-                    if id(t) in seen:
+                    if id(t) in seen or id(t) in self.managed:  # FSDP shards differ
                         continue
                     seen.add(id(t))
                     if edp is None or not is_expert(t):

@@ -47,6 +47,7 @@ from .comm import CommEngine
 from .context import RankContext
 from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
+from .fsdp import ShardedStages
 from .groups import PipelineGroups
 from .loss import LossReducer
 from .program import compile_program
@@ -245,6 +246,9 @@ class Pipeline:
         )
         # Parts that run inside the training step as instructions of its program.
         self.expert_groups = check_expert_groups(self.modules, expert_groups)
+        self.capture = CAPTURE_MODES[capture]
+        self.fsdp = ShardedStages(ctx, self.program, self._infer, loss_reduction, self.capture)
+        self.fsdp.check_dp(dp_group)
         self.data_parallel = (
             DataParallel(
                 ctx,
@@ -254,6 +258,7 @@ class Pipeline:
                 dp_group,
                 expert_groups=expert_groups,
                 loss_reduction=loss_reduction,
+                managed=self.fsdp.managed,
             )
             if dp_group is not None
             else None
@@ -275,7 +280,6 @@ class Pipeline:
         self._loop = StepLoop(
             ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
         )
-        self.capture = CAPTURE_MODES[capture]
         mode = self.capture or "step"
         self._capture = CaptureDriver(
             ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture

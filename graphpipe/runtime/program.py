@@ -67,6 +67,11 @@ class Program:
         posts, waits, handler, args, name = self.instrs[k + 1]
         self.instrs[k + 1] = ((fn, *posts), waits, handler, args, name)
 
+    def call_first(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at the start of the step, before the first instruction's posts."""
+        posts, waits, handler, args, name = self.instrs[0]
+        self.instrs[0] = ((fn, *posts), waits, handler, args, name)
+
     def append(
         self,
         waits: tuple[Callable[[], None], ...] = (),

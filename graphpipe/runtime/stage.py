@@ -26,7 +26,7 @@ from torch import nn
 from graphpipe.meta import StepRecord
 from graphpipe.weightgrad import WeightGradStore, make_deferrable
 
-from .tensors import Tensors, as_tuple
+from .tensors import Tensors, as_tuple, plain
 
 __all__ = ["NO_KEYWORDS", "OVERLAP_HOOK", "Routes", "StageRunner"]
 
@@ -162,13 +162,15 @@ class StageRunner:
         out = self.outputs[li][mb]
         if self.infer:
             self.outputs[li][mb] = None
-        return tuple(t.detach().contiguous() for t in out)
+        what = f"the output of stage {self.stage_ids[li]}"
+        return tuple(plain(t.detach(), what).contiguous() for t in out)
 
     def take_grad(self, li: int, mb: int) -> Tensors:
         """The input gradient of stage ``li`` to send (dropped here)."""
         g = self.grad_in[li][mb]
         self.grad_in[li][mb] = None
-        return g
+        what = f"the input gradient of stage {self.stage_ids[li]}"
+        return tuple(plain(t, what) for t in g)
 
     def store_activation(self, li: int, mb: int, bufs: Tensors) -> None:
         self.inputs[li][mb] = bufs

@@ -21,6 +21,7 @@ its step inside the static step).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -184,7 +185,7 @@ class StepLoop:
         except BaseException:
             # What this rank was doing: an action, or posting / waiting for a transfer.
             if comm is not None:
-                name = f"{comm.__name__} {comm.__self__.name}"
+                name = _describe(comm)
             self.faults.action = name or "the end of the step"
             raise
         finally:
@@ -199,3 +200,11 @@ class StepLoop:
                 f"the step ended with deferred weight-gradient work for {left}; the schedule "
                 "is missing W actions"
             )
+
+
+def _describe(call: Any) -> str:
+    """What a post or wait of the program is: ``post 0SEND_F3``, ``start dp grads``."""
+    fn = call.func if isinstance(call, functools.partial) else call
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f"{name} {owner.name}" if isinstance(getattr(owner, "name", None), str) else name

@@ -7,11 +7,12 @@ Owns: nothing (pure functions). May touch: the tensors it is given, read-only (b
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "split"]
+__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "plain", "split"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -45,3 +46,21 @@ def grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
+
+
+def plain(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` as a plain tensor the transport can send: an ``AsyncCollectiveTensor`` (the
+    output of a tensor-parallel ``RowwiseParallel`` layer, say, whose data is there only once
+    its collective is waited for) is waited for; another tensor subclass (a ``DTensor``) is
+    a ``TypeError`` naming ``what``."""
+    cls = type(t)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return t
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    if fc is not None and isinstance(t, fc.AsyncCollectiveTensor):
+        return t.wait()
+    raise TypeError(
+        f"{what} is a {cls.__name__}, which cannot cross a pipeline edge: return a plain "
+        "tensor (a DTensor's to_local() or full_tensor(); for tensor-parallel layers, "
+        "use_local_output=True)"
+    )

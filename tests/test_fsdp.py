@@ -1,0 +1,214 @@
+"""FSDP2-sharded stages (``fully_shard``) under every schedule on a ("dp", "pp") mesh of 4
+gloo ranks (PP 2 x FSDP 2), against one process training the whole model on the whole batch.
+
+One spawn runs every case (4-rank spawns are the expensive part of the suite).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.pipeline_models import batch, build_stages, mse
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+PP, DP, STEPS, LR = 2, 2, 3, 0.1
+# float64: the sharded pipeline and the reference run the same ops on the same rows, but per
+# micro-batch (other GEMM shapes and summation orders) and with the replicas' gradients
+# reduce-scattered (another order of the sum): equal to rounding, not bitwise.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
+# bf16 parameters and activations (MixedPrecisionPolicy(param_dtype=bfloat16,
+# reduce_dtype=float32)) against the float32 reference: bf16 keeps 8 bits of mantissa
+# (relative error 2**-8 = 4e-3 per rounding), over three steps of a few layers.
+MIXED_TOL = 3e-2
+
+
+def _share(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's share of the whole batch's mse (4 equal micro-batches on each of 2
+    replicas): summed with loss_reduction="sum", the whole batch's mse."""
+    return mse(out, target) / (4 * DP)
+
+
+def _stages(schedule: str, dtype: torch.dtype) -> list:
+    return build_stages(PP if schedule == "1f1b" else 2 * PP, dtype=dtype)
+
+
+def _case(mesh, case: dict) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import graphpipe
+
+    d, p = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    schedule, dtype = case["schedule"], case.get("dtype", torch.float64)
+    stages = _stages(schedule, dtype)
+    mine = [stages[p]] if schedule == "1f1b" else [stages[p], stages[2 * PP - 1 - p]]
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.get("mixed")
+        else MixedPrecisionPolicy()
+    )
+    for s in mine:
+        if case.get("blocks"):  # the blocks sharded too, then the stage root
+            fully_shard(s.fc2, mesh=mesh["dp"], reshard_after_forward=case["raf"], mp_policy=mp)
+        fully_shard(s, mesh=mesh["dp"], reshard_after_forward=case["raf"], mp_policy=mp)
+    events: list[str] = []
+    finish = graphpipe.runtime.fsdp.ShardedStages.finish
+
+    def logged(self, li):
+        events.append(f"reduce-scatter stage {self.stage_ids[li]}")
+        return finish(self, li)
+
+    graphpipe.runtime.fsdp.ShardedStages.finish = logged
+    try:
+        pipe = graphpipe.Pipeline(
+            mine,
+            schedule=schedule,
+            num_microbatches=4,
+            loss_fn=_share if case.get("reduction") == "sum" else mse,
+            group=mesh.get_group("pp"),
+            dp_group=mesh.get_group("dp"),
+            loss_reduction=case.get("reduction", "mean"),
+            capture=case.get("capture", False),
+        )
+    finally:
+        graphpipe.runtime.fsdp.ShardedStages.finish = finish
+    pipe.fsdp.stage_ids = pipe.stage_ids
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(16, seed=10 + step, dtype=dtype)
+        x, y = x[d * 8 : (d + 1) * 8], y[d * 8 : (d + 1) * 8]
+        opt.zero_grad()
+        events.append("step")
+        loss = pipe.step(x if pipe.is_input_rank else None, y if pipe.is_loss_rank else None)
+        losses.append(loss.item())
+        opt.step()
+    ids = pipe.stage_ids
+    params = {
+        (ids[li], name): q.full_tensor().detach().clone()
+        for li, m in enumerate(mine)
+        for name, q in m.named_parameters()
+    }
+    dp_reduced = sum(len(bs) for bs in pipe.data_parallel.buckets.values())
+    out = pipe.forward(batch(16, seed=99, dtype=dtype)[0] if pipe.is_input_rank else None)
+    pipe.close()
+    return {
+        "losses": losses,
+        "params": params,
+        "dp_reduced": dp_reduced,
+        "events": events,
+        "deferrable": pipe.num_deferrable,
+        "out": out,
+        "last": pipe.is_loss_rank,
+    }
+
+
+def _refused(mesh, what: str) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    import graphpipe
+
+    p = mesh.get_local_rank("pp")
+    stages = _stages("dualpipev", torch.float64)
+    mine = [stages[p], stages[2 * PP - 1 - p]]
+    for s in mine:
+        fully_shard(s, mesh=mesh["dp"], reshard_after_forward=what == "capture")
+    kw = dict(group=mesh.get_group("pp"))
+    if what == "capture":
+        kw |= dict(dp_group=mesh.get_group("dp"), capture=True)
+    try:
+        graphpipe.DualPipeV(mine, num_microbatches=4, loss_fn=mse, **kw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _all(rank: int, world: int, cases: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
+    out = {name: _case(mesh, c) for name, c in cases.items()}
+    out["no_dp"] = _refused(mesh, "no_dp")
+    out["capture_reshard"] = _refused(mesh, "capture")
+    return out
+
+
+CASES = {
+    "dualpipev-reshard": dict(schedule="dualpipev", raf=True),
+    "dualpipev-keep-blocks": dict(schedule="dualpipev", raf=False, blocks=True),
+    "zbv-reshard-blocks": dict(schedule="zbv", raf=True, blocks=True),
+    "zbv-keep": dict(schedule="zbv", raf=False),
+    "1f1b-reshard": dict(schedule="1f1b", raf=True),
+    "1f1b-keep-blocks": dict(schedule="1f1b", raf=False, blocks=True),
+    "dualpipev-sum": dict(schedule="dualpipev", raf=True, reduction="sum"),
+    "dualpipev-capture": dict(schedule="dualpipev", raf=False, capture=True),
+    "dualpipev-mixed": dict(schedule="dualpipev", raf=True, mixed=True, dtype=torch.float32),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_all, PP * DP, CASES, timeout=300)
+
+
+def _reference(case: dict) -> tuple[list[float], dict, torch.Tensor]:
+    """One process, every stage, the whole batch, the same SGD steps."""
+    dtype = case.get("dtype", torch.float64)
+    stages = _stages(case["schedule"], dtype)
+    opt = torch.optim.SGD([q for s in stages for q in s.parameters()], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(16, seed=10 + step, dtype=dtype)
+        h = x
+        for s in stages:
+            h = s(h)
+        loss = mse(h, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        h = batch(16, seed=99, dtype=dtype)[0]
+        for s in stages:
+            h = s(h)
+    params = {(i, n): q.detach() for i, s in enumerate(stages) for n, q in s.named_parameters()}
+    return losses, params, h
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fsdp2_stages_train_as_the_whole_model(results, name: str) -> None:
+    case = CASES[name]
+    losses, params, out = _reference(case)
+    tol = MIXED_TOL if case.get("mixed") else TOL[case.get("dtype", torch.float64)]
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert r["losses"] == pytest.approx(losses, rel=tol), rank
+        for key, value in r["params"].items():
+            torch.testing.assert_close(value, params[key], rtol=tol, atol=tol, msg=f"{key}")
+        # FSDP reduces every parameter: graphpipe's own dp averaging has nothing left
+        assert r["dp_reduced"] == 0
+        if r["last"]:  # the loss rank of each replica: the whole model's outputs
+            # (bf16 outputs under the mixed-precision policy: compared in float32)
+            torch.testing.assert_close(r["out"].to(out.dtype), out, rtol=tol, atol=tol)
+        else:
+            assert r["out"] is None
+        # the Linears of a stage sharded at its root stay deferrable
+        if not case.get("blocks"):
+            assert all(n == 2 for n in r["deferrable"]), r["deferrable"]
+
+
+def test_each_stage_is_reduce_scattered_as_soon_as_its_gradients_are_final(results) -> None:
+    """Under DualPipeV, rank 0's stage 0 and stage 3 finish at different points: each
+    reduce-scatter is posted inside the step, the first before the step's last action."""
+    events = results[0]["dualpipev-reshard"]["events"]
+    last_step = events[len(events) - 1 - events[::-1].index("step") :]
+    assert last_step.count("reduce-scatter stage 0") == 1
+    assert last_step.count("reduce-scatter stage 3") == 1
+
+
+def test_fsdp2_stages_need_their_dp_group_and_capture_needs_them_unsharded(results) -> None:
+    for res in results:
+        assert "pass dp_group=mesh.get_group('dp')" in res["no_dp"]
+        assert "fully_shard(..., reshard_after_forward=False)" in res["capture_reshard"]
