@@ -1,8 +1,8 @@
 """``graphpipe profile``: run the built-in model under torch.profiler on every rank (or read
 an nsys export) and write ``report.json``, ``timeline.svg`` and the table.
 
-The model, data and pipeline options are ``graphpipe train``'s (``train.add_model_options``)
-and every rank is set up as ``train`` sets it up (``train.build_rank``); only the public
+The model, data and pipeline options are ``graphpipe train``'s (``train.options.add_model_options``)
+and every rank is set up as ``train`` sets it up (``train.loop.build_rank``); only the public
 pipeline API is used (``DualPipeV(...)``, ``.step()``, ``.close()``): the runtime emits its
 ranges by itself whenever a torch profiler records.
 """
@@ -23,7 +23,7 @@ PROG = "graphpipe profile"
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from graphpipe.train import add_model_options
+    from graphpipe.train.options import add_model_options
 
     p = sub.add_parser(
         "profile",
@@ -82,7 +82,7 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from graphpipe.launch import joined_torchrun, launch
-    from graphpipe.train import _check
+    from graphpipe.train.checks import check_model
 
     if args.steps < 1:
         return _fail(f"--steps must be >= 1, got {args.steps}")
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return _from_nsys(args, out)
     if joined_torchrun():
         args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
-    problem = _check(args)
+    problem = check_model(args)
     if problem is None and args.warmup < 0:
         problem = f"--warmup must be >= 0, got {args.warmup}"
     if problem is None and args.clock == "gpu" and args.device != "cuda":
@@ -181,7 +181,7 @@ def _profile_rank(rank: int, world: int, device: torch.device, opts: dict) -> No
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from graphpipe.train import build_rank
+    from graphpipe.train.loop import build_rank
 
     run = build_rank(rank, world, device, opts, prog=PROG)
     cuda = device.type == "cuda"
