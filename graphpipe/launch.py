@@ -5,6 +5,9 @@ launching process acts on it (it stops every rank, then raises ``KeyboardInterru
 rank prints a traceback. A rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux). When
 a rank fails, the others are stopped and ``launch`` raises ``RankFailed`` with the rank's
 traceback.
+
+torch is imported when ranks start, not with this module: ``RankFailed`` and
+``joined_torchrun`` serve the command line before it has decided to run anything.
 """
 
 from __future__ import annotations
@@ -22,11 +25,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RankFailed", "joined_torchrun", "launch"]
 
@@ -69,6 +71,8 @@ def _torchrun_store(world: int) -> Any:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    import torch.distributed as dist
+
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -81,6 +85,9 @@ def _torchrun_store(world: int) -> Any:
 
 
 def _init(rank: int, world: int, device: str) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
     store = _torchrun_store(world) if joined_torchrun() else None
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -110,6 +117,8 @@ def _die_with_parent() -> None:
 
 
 def _entry(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple) -> None:
+    import torch
+
     _die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["LOCAL_RANK"] = str(rank)
@@ -128,6 +137,8 @@ def _teardown() -> None:
     cyclic garbage collector frees it; left to interpreter shutdown, a rank can abort at exit
     while gloo is torn down under it.
     """
+    import torch.distributed as dist
+
     gc.collect()
     dist.destroy_process_group()
 
@@ -150,6 +161,8 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
         return
     if num_ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {num_ranks}")
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(num_ranks)]

@@ -13,9 +13,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_parser", "run"]
 
@@ -178,6 +179,7 @@ def _from_nsys(args: argparse.Namespace, out: Path) -> int:
 
 
 def _profile_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 

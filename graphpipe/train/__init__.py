@@ -48,4 +48,4 @@ __all__ = [
     "run",
 ]
 
-__getattr__ = lazy_attributes(__name__, {"RankRun": ".loop", "build_rank": ".loop"})
+__getattr__, __dir__ = lazy_attributes(__name__, {"RankRun": ".loop", "build_rank": ".loop"})

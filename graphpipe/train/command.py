@@ -91,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
     """``graphpipe train``: check the arguments, then spawn (or join torchrun's) ranks."""
     from graphpipe.launch import joined_torchrun, launch
 
-    from .loop import train_rank
-
     problem = None
     if joined_torchrun():  # torchrun's world decides: WORLD_SIZE = ranks x dp
         world = int(os.environ["WORLD_SIZE"])
@@ -112,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
+    from .loop import train_rank  # torch: only once the arguments are known to be good
+
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
     launch(train_rank, args.ranks * args.dp, args.device, opts)
     return 0
