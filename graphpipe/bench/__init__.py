@@ -161,7 +161,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="R",
         help="rows per micro-batch for every regime (default: overhead 2, compute 32)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (without CUDA the benchmark is "
+        "skipped with a note, status 0) (default cpu)",
+    )
     p.add_argument(
         "--steps", type=positive_int, default=20, help="timed steps per mode (default 20)"
     )

@@ -15,7 +15,8 @@ Modules, one concern each:
   simulator's prediction from the measured action costs;
 * ``report``: ``report.json``, ``timeline.svg`` and the terminal table;
 * ``command``: the ``graphpipe profile`` command (runs the built-in model under
-  torch.profiler on every rank, or reads ``--from-nsys``).
+  torch.profiler on every rank, or reads ``--from-nsys``);
+* ``quiet``: keeps torch.profiler's informational C++ log lines off stderr.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 from .options import default_layers, default_microbatches
 from .resume import find_resume
 
-__all__ = ["check_model", "check_train"]
+__all__ = ["check_model", "check_train", "torchrun_world"]
 
 
 def _check_moe(args: argparse.Namespace) -> str | None:
@@ -31,6 +31,20 @@ def _check_moe(args: argparse.Namespace) -> str | None:
     dp = getattr(args, "dp", 1)
     if dp % args.ep:  # the ep groups are carved out of the data-parallel group
         return f"--ep {args.ep} must divide --dp {dp} (experts are sharded across replicas)"
+    return None
+
+
+def torchrun_world(args: argparse.Namespace) -> str | None:
+    """Under torchrun, its world decides: sets ``args.ranks`` to ``WORLD_SIZE / --dp``, or
+    returns the problem when ``--dp`` does not divide it. Elsewhere a no-op."""
+    from graphpipe.launch import joined_torchrun
+
+    if not joined_torchrun():
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if args.dp < 1 or world % args.dp:
+        return f"--dp {args.dp} does not divide WORLD_SIZE {world}"
+    args.ranks = world // args.dp
     return None
 
 

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from .checks import check_train
+from .checks import check_train, torchrun_world
 from .options import add_model_options
 
 __all__ = ["add_parser", "run"]
@@ -35,13 +35,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     add_model_options(p)
-    p.add_argument(
-        "--dp",
-        type=int,
-        default=1,
-        help="data-parallel replicas of the pipeline: world = ranks x dp, the batch is split "
-        "across them (default 1)",
-    )
     p.add_argument(
         "--steps",
         type=int,
@@ -89,16 +82,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``graphpipe train``: check the arguments, then spawn (or join torchrun's) ranks."""
-    from graphpipe.launch import joined_torchrun, launch
+    from graphpipe.launch import launch
 
-    problem = None
-    if joined_torchrun():  # torchrun's world decides: WORLD_SIZE = ranks x dp
-        world = int(os.environ["WORLD_SIZE"])
-        if args.dp < 1 or world % args.dp:
-            problem = f"--dp {args.dp} does not divide WORLD_SIZE {world}"
-        else:
-            args.ranks = world // args.dp
-    problem = problem or check_train(args)
+    problem = torchrun_world(args) or check_train(args)
     if problem is not None:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine under torchrun
             print(f"graphpipe train: error: {problem}", file=sys.stderr)

@@ -32,7 +32,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="pipeline ranks to spawn (default 2; under torchrun its WORLD_SIZE decides)",
+        help="pipeline ranks (default 2); under torchrun: WORLD_SIZE / --dp",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="D",
+        help="data-parallel replicas of the pipeline: world = N x D ranks, each replica takes "
+        "1/D of every batch (default 1)",
     )
     p.add_argument(
         "--microbatches",
