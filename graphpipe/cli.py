@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from graphpipe.ir import format_csv
 from graphpipe.lower import lower
+from graphpipe.outputs import check_output_file
 from graphpipe.schedules import SCHEDULES, ScheduleKind
 from graphpipe.simulate import (
     Costs,
@@ -102,7 +103,11 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
         "default F+B), p2p (latency of each message); unnamed ones keep their defaults "
         f"({Costs()})",
     )
-    p.add_argument("--out", metavar="PICTURE", help="also draw the timeline (.svg, or .png)")
+    p.add_argument(
+        "--out",
+        metavar="PICTURE",
+        help="also draw the timeline (.svg, or .png with matplotlib); its directory must exist",
+    )
     p.set_defaults(func=_cmd_schedule, parser=p)
     return p
 
@@ -110,6 +115,9 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
 def _cmd_schedule(args: argparse.Namespace) -> int:
     kind: ScheduleKind = SCHEDULES[args.schedule]
     costs: Costs = args.costs
+    problem = check_output_file("--out", args.out) if args.out else None
+    if problem is not None:
+        args.parser.error(problem)
     try:
         schedule, placement = kind(args.ranks, args.microbatches)
     except ValueError as e:

@@ -77,6 +77,9 @@ def test_help_and_version_import_no_torch(argv: list[str], tmp_path: Path) -> No
         ["bench", "--microbatches", "3"],
         ["profile"],  # --out is required
         ["profile", "--out", "/tmp/x", "--steps", "0"],
+        ["bench", "--json", "/nonexistent/dir/b.json"],  # an output path (graphpipe.outputs)
+        ["profile", "--out", "/proc/nope/prof"],
+        ["train", "--checkpoint-dir", "/proc"],
     ],
     ids=lambda argv: " ".join(argv) or "(no command)",
 )

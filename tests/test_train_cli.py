@@ -134,7 +134,7 @@ def _main_error(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, st
         (["--metrics", "/no/such/dir/m.jsonl"], "directory /no/such/dir does not exist"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
-        (["--checkpoint-dir", "/dev/null"], "--checkpoint-dir /dev/null is a file"),
+        (["--checkpoint-dir", "/dev/null"], "--checkpoint-dir /dev/null: exists and is not a"),
         (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["--microbatches", "3"], "--microbatches must be >= 2 * --ranks = 4, got 3"),
         (

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphpipe._lazy import lazy_attributes
 from graphpipe.cli import positive_int
+from graphpipe.outputs import check_output_file
 from graphpipe.schedules import SCHEDULES
 from graphpipe.simulate import Costs
 
@@ -199,12 +200,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "W and FB (an overlapped F&B pair, default F+B) (default "
         f"{SYNTHETIC_COSTS})",
     )
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write the results as JSON (its directory must exist)",
+    )
     p.add_argument(
         "--plot",
         default=None,
         metavar="FILE",
-        help="draw the measured per-rank timeline of one step next to the simulated one (.svg)",
+        help="draw the measured per-rank timeline of one step next to the simulated one (.svg; "
+        "its directory must exist)",
     )
     p.set_defaults(func=run)
     return p
@@ -224,6 +231,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
     if args.plot and Path(args.plot).suffix.lower() != ".svg":
         return f"--plot writes SVG; use a .svg path, not {args.plot!r}"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = check_output_file(flag, path) if path else None
+        if problem is not None:
+            return problem
     return None
 
 

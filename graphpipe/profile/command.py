@@ -58,7 +58,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="steps run before profiling (default 2: the first step exchanges shapes and "
         "records, with --capture the second one captures)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="where the files go (created)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="where the files go (created if missing; its parent must exist)",
+    )
     p.add_argument(
         "--clock",
         choices=("host", "gpu"),
@@ -85,13 +90,15 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from graphpipe.launch import joined_torchrun, launch
+    from graphpipe.outputs import check_output_dir
     from graphpipe.train.checks import check_model, torchrun_world
 
     if args.steps < 1:
         return _fail(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return _fail(f"--out {args.out}: exists and is not a directory")
+    problem = check_output_dir("--out", out)
+    if problem is not None:
+        return _fail(problem)
     if args.from_nsys is not None:
         return _from_nsys(args, out)
     problem = torchrun_world(args) or check_model(args)
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _fail(problem)
     clock = args.clock or ("gpu" if args.device == "cuda" else "host")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)  # its parent was checked
     opts = {k: v for k, v in vars(args).items() if k != "func"}
     opts["out"] = str(out)
     world = args.ranks * args.dp
@@ -192,7 +199,7 @@ def _from_nsys(args: argparse.Namespace, out: Path) -> int:
         )
     except ValueError as e:
         return _fail(str(e))
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)  # its parent was checked
     return _write(analysis, out, [])
 
 

@@ -13,6 +13,8 @@ import importlib.util
 import math
 import os
 
+from graphpipe.outputs import check_output_dir, check_output_file
+
 from .options import default_layers, default_microbatches
 from .resume import find_resume
 
@@ -150,17 +152,13 @@ def check_train(args: argparse.Namespace) -> str | None:
     if problem is not None:
         return problem
     if args.metrics is not None:
-        parent = os.path.dirname(os.path.abspath(args.metrics))
-        if os.path.isdir(args.metrics):
-            return f"--metrics {args.metrics} is a directory; give a file name"
-        if not os.path.isdir(parent):
-            return f"--metrics {args.metrics}: directory {parent} does not exist"
+        problem = check_output_file("--metrics", args.metrics)
+        if problem is not None:
+            return problem
     if args.checkpoint_dir is None:
         if args.checkpoint_every is not None:
             return "--checkpoint-every needs --checkpoint-dir"
         if args.resume:
             return "--resume needs --checkpoint-dir"
         return None
-    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        return f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
-    return find_resume(args)
+    return check_output_dir("--checkpoint-dir", args.checkpoint_dir) or find_resume(args)

@@ -46,7 +46,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="write one JSON line per step here: step (global), loss, step_time_s, "
-        "tokens_per_s (a resumed run keeps the rows up to its checkpoint and appends)",
+        "tokens_per_s (a resumed run keeps the rows up to its checkpoint and appends); its "
+        "directory must exist",
     )
     p.add_argument(
         "--checkpoint-dir",
@@ -54,7 +55,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="save the training state (weights, optimizer, step, RNG and data position) "
         "here with torch.distributed.checkpoint, as DIR/step-NNNNNNNN, after the last step "
-        "and every --checkpoint-every steps",
+        "and every --checkpoint-every steps (DIR is created; its parent must exist; checked "
+        "for writing before training starts)",
     )
     p.add_argument(
         "--checkpoint-every",
