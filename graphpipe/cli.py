@@ -314,14 +314,15 @@ def _build_parser() -> _Parser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``graphpipe COMMAND ...``; returns the exit code.
 
-    Argument errors exit with 2, a failed rank with 1 (its traceback, once), Ctrl-C with 130
-    (one line; every spawned rank is stopped first).
+    Argument errors exit with 2, a failed rank with 1 (its traceback, once; a planned stop
+    such as train's non-finite loss: one line), Ctrl-C with 130 (one line; every spawned
+    rank is stopped first).
     """
     parser = _build_parser()
     args = parser.parse_args(argv)  # --help, --version and argument errors end here
     if args.command is None:
         parser.error(f"choose a command: {', '.join(_SUBCOMMANDS)}")
-    from graphpipe.launch import RankFailed
+    from graphpipe.launch import RankFailed, RunStopped
 
     try:
         return args.func(args)
@@ -331,4 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except RankFailed as e:
         print(f"graphpipe {args.command}: {e}", file=sys.stderr)
+        return 1
+    except RunStopped as e:  # under torchrun: this rank stopped the run
+        if os.environ.get("RANK", "0") == "0":
+            print(f"graphpipe {args.command}: {e}", file=sys.stderr)
         return 1

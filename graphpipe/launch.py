@@ -4,7 +4,7 @@ Spawned ranks ignore SIGINT: Ctrl-C reaches the whole foreground process group, 
 launching process acts on it (it stops every rank, then raises ``KeyboardInterrupt``), so no
 rank prints a traceback. A rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux). When
 a rank fails, the others are stopped and ``launch`` raises ``RankFailed`` with the rank's
-traceback.
+traceback (or, for a rank that raised ``RunStopped``, with its one-line reason).
 
 torch is imported when ranks start, not with this module: ``RankFailed`` and
 ``joined_torchrun`` serve the command line before it has decided to run anything.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RankFailed", "joined_torchrun", "launch"]
+__all__ = ["RankFailed", "RunStopped", "joined_torchrun", "launch"]
 
 _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 
@@ -41,6 +41,12 @@ class RankFailed(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class RunStopped(Exception):
+    """Raised by a rank's function to end the whole run with a one-line reason and no
+    traceback (a planned stop, like a non-finite loss): spawned, ``launch`` raises
+    ``RankFailed`` whose message is that line; under torchrun it propagates as itself."""
 
 
 _TIMEOUT = datetime.timedelta(minutes=5)
@@ -186,8 +192,11 @@ def _spawned(
 ) -> None:
     try:
         _entry(rank, world, port, device, fn, args)
+    except RunStopped as e:
+        report.send(("stopped", str(e)))
+        sys.exit(1)
     except Exception:
-        report.send(traceback.format_exc())
+        report.send(("failed", traceback.format_exc()))
         sys.exit(1)
 
 
@@ -197,7 +206,7 @@ def _wait(procs: list[Any], reports: list[Any]) -> None:
     A rank's traceback arrives on its pipe before it exits; reading the pipes while waiting
     keeps a long traceback from filling the pipe and blocking the rank.
     """
-    texts: dict[int, str] = {}
+    texts: dict[int, tuple[str, str]] = {}  # rank -> ("stopped" | "failed", text)
     readers = {conn: rank for rank, conn in enumerate(reports)}
     pending = {p.sentinel: rank for rank, p in enumerate(procs)}
     while pending:
@@ -217,7 +226,10 @@ def _wait(procs: list[Any], reports: list[Any]) -> None:
                 with contextlib.suppress(EOFError, OSError):
                     texts[rank] = conn.recv()
             if rank in texts:
-                raise RankFailed(rank, f"rank {rank} failed:\n{texts[rank].rstrip()}")
+                kind, text = texts[rank]
+                if kind == "stopped":
+                    raise RankFailed(rank, text)
+                raise RankFailed(rank, f"rank {rank} failed:\n{text.rstrip()}")
             if p.exitcode < 0:
                 name = signal.Signals(-p.exitcode).name
                 raise RankFailed(rank, f"rank {rank} was killed by {name}")

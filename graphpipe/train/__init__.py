@@ -7,7 +7,9 @@ the global step number, plus ``"dropped_tokens"`` with ``--experts`` (the (token
 assignments past capacity in the step, over every MoE block of every rank; the loss then
 includes the load-balancing term). ``--checkpoint-dir`` saves the training state with
 ``graphpipe.checkpoint``; ``--resume`` continues from the newest complete checkpoint there, bit
-for bit as if the run had not stopped.
+for bit as if the run had not stopped. The first step whose loss is not finite stops the run
+(one line naming the step, exit status 1; before that step's metrics row and checkpoint)
+unless ``--allow-nonfinite``.
 
 Modules, one concern each:
 

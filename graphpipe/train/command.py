@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "NCCL with --device cuda, one GPU per rank); under torchrun it joins torchrun's "
             "world (torchrun --nproc-per-node N -m graphpipe train ...). Data: the Python "
             "standard library's own source files, or --data FILE. Every argument is checked "
-            "before any rank starts; Ctrl-C stops every rank (exit status 130)."
+            "before any rank starts; a non-finite loss stops the run (exit status 1, unless "
+            "--allow-nonfinite); Ctrl-C stops every rank (exit status 130)."
         ),
     )
     add_model_options(p)
@@ -71,6 +72,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=2,
         metavar="K",
         help="keep the newest K checkpoints in --checkpoint-dir (default 2)",
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="train on when a step's loss is NaN or infinite (default: stop at the first one, "
+        "before its metrics row and checkpoint, exit status 1)",
     )
     p.add_argument(
         "--resume",

@@ -3,7 +3,8 @@
 Owns: ``RankRun`` (one rank's training state and step, which ``graphpipe profile`` runs too),
 ``build_rank`` (the built-in model's stages of this rank, the ``DualPipeV`` pipeline on a
 ``("dp", "pp")`` mesh, AdamW, the data) and ``train_rank`` (the loop that ``launch`` runs on
-every rank: resume, steps, metrics, checkpoints, progress). Uses only the public pipeline API.
+every rank: resume, steps, metrics, checkpoints, progress, the stop at a non-finite loss).
+Uses only the public pipeline API.
 
 Test hook (not a user option): ``GRAPHPIPE_TEST_EXIT=RANK:STEP`` makes rank RANK exit with
 status 1 (``os._exit``, no cleanup, like a killed process) when it is about to run step STEP,
@@ -14,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from typing import Any
 
 import torch
+
+from graphpipe.launch import RunStopped
 
 from .options import default_layers, default_microbatches
 from .progress import DroppedTokens, Progress, duration, open_metrics
@@ -186,6 +190,33 @@ def _exit_for_test(rank: int, step: int) -> None:
         os._exit(1)
 
 
+class _NonFinite:
+    """The non-finite losses of a run. The pipeline returns the same loss on every rank (the
+    mean over micro-batches and replicas), so every rank sees the same steps here and stops
+    at the same one: before that step's metrics row and checkpoint."""
+
+    def __init__(self, allow: bool) -> None:
+        self.allow, self.count, self.first = allow, 0, None
+
+    def seen(self, step: int, value: float, progress: Progress | None) -> None:
+        """Step ``step``'s loss is ``value`` (NaN or infinite): stop the run, or count it."""
+        self.count += 1
+        self.first = step if self.first is None else self.first
+        if self.allow:
+            return
+        if progress is not None:
+            progress.end_line()
+        raise RunStopped(
+            f"the loss of step {step} is {value}; stopping (--allow-nonfinite trains on)"
+        )
+
+    def __str__(self) -> str:
+        """For the summary line: how many steps were not finite, if any."""
+        if not self.count:
+            return ""
+        return f" ({self.count} non-finite step(s), the first at step {self.first})"
+
+
 def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     """``graphpipe train`` on one rank (what ``launch`` runs): resume if asked, then train to
     ``--steps``, saving checkpoints; rank 0 writes the metrics and shows the progress."""
@@ -200,6 +231,7 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     progress = Progress(opts["steps"], first=start + 1) if rank == 0 else None
     out = open_metrics(opts["metrics"], start) if rank == 0 and opts["metrics"] else None
     first = last = None
+    nonfinite = _NonFinite(opts.get("allow_nonfinite", False))
     drops = DroppedTokens(run.pipe.modules, device) if opts.get("experts") else None
     try:
         for step in range(start + 1, opts["steps"] + 1):
@@ -212,7 +244,9 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            value = float(loss)
+            value = float(loss)  # the step's one host read of the loss, on every rank
+            if not math.isfinite(value):
+                nonfinite.seen(step, value, progress)
             first = value if first is None else first
             last = value
             if drops is not None and opts["metrics"]:
@@ -244,7 +278,7 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     if progress is not None:
         print(
             f"graphpipe train: steps {start + 1}-{opts['steps']} in "
-            f"{duration(progress.elapsed())}, loss {first:.3f} -> {last:.3f}",
+            f"{duration(progress.elapsed())}, loss {first:.3f} -> {last:.3f}{nonfinite}",
             file=sys.stderr,
             flush=True,
         )

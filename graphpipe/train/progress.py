@@ -82,6 +82,12 @@ class Progress:
             self.stream.write(line + "\n")
         self.stream.flush()
 
+    def end_line(self) -> None:
+        """End a line redrawn in place (on a terminal), so that what follows starts on its own."""
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
 
 def open_metrics(path: str, resumed_step: int) -> TextIO:
     """The metrics file, for appending: a resumed run keeps the rows up to its checkpoint."""
