@@ -4,8 +4,14 @@
 [--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE]`` prints a schedule and
 what the simulator finds about it. Bad input exits with code 2 and a one-line message.
 
+``--help``, ``--version`` and argument errors import no torch (nor numpy, nor triton): the
+parsers are built from modules that import them only when a command runs, so the command
+line answers in a fraction of a second (``tests/test_cli_imports.py`` holds it to that).
+
 To add a subcommand ``NAME``: write ``_add_NAME_parser(sub)`` (creates the parser and sets
-``func=_cmd_NAME``) and ``_cmd_NAME(args) -> int``, and list it in ``_SUBCOMMANDS``.
+``func=_cmd_NAME``) and ``_cmd_NAME(args) -> int``, and list it in ``_SUBCOMMANDS``; a
+subcommand in its own module registers its parser from a module (and package ``__init__``)
+that imports nothing heavy at module level.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, NoReturn
 
 from graphpipe.ir import format_csv
 from graphpipe.lower import lower
-from graphpipe.render import write_picture
+from graphpipe.outputs import check_output_file
 from graphpipe.schedules import SCHEDULES, ScheduleKind
 from graphpipe.simulate import (
     Costs,
@@ -96,7 +103,11 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
         "default F+B), p2p (latency of each message); unnamed ones keep their defaults "
         f"({Costs()})",
     )
-    p.add_argument("--out", metavar="PICTURE", help="also draw the timeline (.svg, or .png)")
+    p.add_argument(
+        "--out",
+        metavar="PICTURE",
+        help="also draw the timeline (.svg, or .png with matplotlib); its directory must exist",
+    )
     p.set_defaults(func=_cmd_schedule, parser=p)
     return p
 
@@ -104,6 +115,9 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
 def _cmd_schedule(args: argparse.Namespace) -> int:
     kind: ScheduleKind = SCHEDULES[args.schedule]
     costs: Costs = args.costs
+    problem = check_output_file("--out", args.out) if args.out else None
+    if problem is not None:
+        args.parser.error(problem)
     try:
         schedule, placement = kind(args.ranks, args.microbatches)
     except ValueError as e:
@@ -117,6 +131,10 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 1
     if args.out:  # first, so that a picture that cannot be written leaves stdout empty
+        # Here, not above: render's xml.sax pulls in urllib.request (35-140 ms of `python -X
+        # importtime` on a busy 2-core machine), which --help and the grid do not need.
+        from graphpipe.render import write_picture
+
         title = f"{kind.name}: {args.ranks} ranks, {args.microbatches} micro-batches ({costs})"
         try:
             path = write_picture(args.out, result, costs=costs, title=title, num_ranks=args.ranks)
@@ -248,19 +266,46 @@ def _lazy(name: str) -> Any:
     return importlib.import_module(f"graphpipe.{name}")
 
 
-def _version() -> str:
-    import torch
+def _torch_version() -> str:
+    """torch's version without importing torch (seconds): the ``__version__`` line of its
+    generated ``torch/version.py``, else the installed package's metadata."""
+    import importlib.util
+    import re
 
-    from graphpipe import __version__
+    spec = importlib.util.find_spec("torch")  # finds the package, does not run it
+    if spec is None or spec.origin is None:
+        return "not installed"
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        text = ""
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    if found:
+        return found[1]
+    from importlib.metadata import PackageNotFoundError, version
 
-    return f"graphpipe {__version__} (torch {torch.__version__})"
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class _Version(argparse.Action):
+    """``--version``: graphpipe's version and torch's (found without importing torch)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
+        from graphpipe import __version__
+
+        print(f"graphpipe {__version__} (torch {_torch_version()})")
+        parser.exit()
 
 
 def _build_parser() -> _Parser:
     parser = _Parser(prog="graphpipe", description="DualPipeV pipeline-parallel training.")
-    parser.add_argument(
-        "--version", action="version", version=_version(), help="print the version and exit"
-    )
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS.values():
         add(sub)
@@ -270,15 +315,16 @@ def _build_parser() -> _Parser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``graphpipe COMMAND ...``; returns the exit code.
 
-    Argument errors exit with 2, a failed rank with 1 (its traceback, once), Ctrl-C with 130
-    (one line; every spawned rank is stopped first).
+    Argument errors exit with 2, a failed rank with 1 (its traceback, once; a planned stop
+    such as train's non-finite loss: one line), Ctrl-C with 130 (one line; every spawned
+    rank is stopped first).
     """
-    from graphpipe.launch import RankFailed
-
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help, --version and argument errors end here
     if args.command is None:
         parser.error(f"choose a command: {', '.join(_SUBCOMMANDS)}")
+    from graphpipe.launch import RankFailed, RunStopped
+
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -287,4 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except RankFailed as e:
         print(f"graphpipe {args.command}: {e}", file=sys.stderr)
+        return 1
+    except RunStopped as e:  # under torchrun: this rank stopped the run
+        if os.environ.get("RANK", "0") == "0":
+            print(f"graphpipe {args.command}: {e}", file=sys.stderr)
         return 1

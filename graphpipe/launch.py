@@ -4,7 +4,10 @@ Spawned ranks ignore SIGINT: Ctrl-C reaches the whole foreground process group, 
 launching process acts on it (it stops every rank, then raises ``KeyboardInterrupt``), so no
 rank prints a traceback. A rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux). When
 a rank fails, the others are stopped and ``launch`` raises ``RankFailed`` with the rank's
-traceback.
+traceback (or, for a rank that raised ``RunStopped``, with its one-line reason).
+
+torch is imported when ranks start, not with this module: ``RankFailed`` and
+``joined_torchrun`` serve the command line before it has decided to run anything.
 """
 
 from __future__ import annotations
@@ -22,13 +25,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["RankFailed", "joined_torchrun", "launch"]
+__all__ = ["RankFailed", "RunStopped", "joined_torchrun", "launch"]
 
 _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 
@@ -39,6 +41,12 @@ class RankFailed(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class RunStopped(Exception):
+    """Raised by a rank's function to end the whole run with a one-line reason and no
+    traceback (a planned stop, like a non-finite loss): spawned, ``launch`` raises
+    ``RankFailed`` whose message is that line; under torchrun it propagates as itself."""
 
 
 _TIMEOUT = datetime.timedelta(minutes=5)
@@ -69,6 +77,8 @@ def _torchrun_store(world: int) -> Any:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    import torch.distributed as dist
+
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -81,6 +91,9 @@ def _torchrun_store(world: int) -> Any:
 
 
 def _init(rank: int, world: int, device: str) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
     store = _torchrun_store(world) if joined_torchrun() else None
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -110,6 +123,8 @@ def _die_with_parent() -> None:
 
 
 def _entry(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple) -> None:
+    import torch
+
     _die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["LOCAL_RANK"] = str(rank)
@@ -128,6 +143,8 @@ def _teardown() -> None:
     cyclic garbage collector frees it; left to interpreter shutdown, a rank can abort at exit
     while gloo is torn down under it.
     """
+    import torch.distributed as dist
+
     gc.collect()
     dist.destroy_process_group()
 
@@ -150,6 +167,8 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
         return
     if num_ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {num_ranks}")
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(num_ranks)]
@@ -173,8 +192,11 @@ def _spawned(
 ) -> None:
     try:
         _entry(rank, world, port, device, fn, args)
+    except RunStopped as e:
+        report.send(("stopped", str(e)))
+        sys.exit(1)
     except Exception:
-        report.send(traceback.format_exc())
+        report.send(("failed", traceback.format_exc()))
         sys.exit(1)
 
 
@@ -184,7 +206,7 @@ def _wait(procs: list[Any], reports: list[Any]) -> None:
     A rank's traceback arrives on its pipe before it exits; reading the pipes while waiting
     keeps a long traceback from filling the pipe and blocking the rank.
     """
-    texts: dict[int, str] = {}
+    texts: dict[int, tuple[str, str]] = {}  # rank -> ("stopped" | "failed", text)
     readers = {conn: rank for rank, conn in enumerate(reports)}
     pending = {p.sentinel: rank for rank, p in enumerate(procs)}
     while pending:
@@ -204,7 +226,10 @@ def _wait(procs: list[Any], reports: list[Any]) -> None:
                 with contextlib.suppress(EOFError, OSError):
                     texts[rank] = conn.recv()
             if rank in texts:
-                raise RankFailed(rank, f"rank {rank} failed:\n{texts[rank].rstrip()}")
+                kind, text = texts[rank]
+                if kind == "stopped":
+                    raise RankFailed(rank, text)
+                raise RankFailed(rank, f"rank {rank} failed:\n{text.rstrip()}")
             if p.exitcode < 0:
                 name = signal.Signals(-p.exitcode).name
                 raise RankFailed(rank, f"rank {rank} was killed by {name}")

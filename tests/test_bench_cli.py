@@ -126,13 +126,21 @@ def test_report_and_plot(result: tuple[dict, Path, str]) -> None:
     assert text.count(">time (ms)</text>") == len(data["regimes"])
 
 
-def test_bad_arguments_exit_with_a_message() -> None:
-    with pytest.raises(SystemExit, match="--microbatches must be >= 2"):
-        args = _parse(["--ranks", "2", "--microbatches", "3"])
-        args.func(args)
-    with pytest.raises(SystemExit, match=r"\.svg"):
-        args = _parse(["--plot", "x.png"])
-        args.func(args)
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ranks", "2", "--microbatches", "3"], "--microbatches must be >= 2 * --ranks = 4"),
+        (["--plot", "x.png"], "--plot writes SVG; use a .svg path, not 'x.png'"),
+    ],
+)
+def test_bad_arguments_are_one_line_with_status_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parse(argv)
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphpipe bench: error: ") and err.count("\n") == 1
+    assert message in err
 
 
 def test_whole_number_options(capsys: pytest.CaptureFixture[str]) -> None:

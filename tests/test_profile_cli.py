@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from graphpipe.cli import main
+from graphpipe.profile.quiet import kineto_info_dropped
 from graphpipe.schedules import dualpipev
 from graphpipe.simulate import Costs
 from tests.profile_traces import nsys_export, simulated_spans
@@ -75,7 +77,33 @@ def test_profile_two_ranks_writes_traces_report_timeline_and_table(tmp_path: Pat
     lines = proc.stdout.splitlines()
     assert lines[1].split()[:5] == ["rank", "step", "busy", "idle", "bubble"]
     assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
-    assert "wrote" in proc.stderr and "report.json" in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"graphpipe profile: wrote trace_rank0.json, trace_rank1.json, report.json and "
+        f"timeline.svg in {out}"
+    )
+    assert "profiler_start" not in proc.stdout + proc.stderr  # kineto's log lines
+    assert "USDT:" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.distributed
+def test_profile_with_data_parallel_replicas_traces_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "prof"
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphpipe", "profile", "--ranks", "1", "--dp", "2"]
+        + ["--steps", "1", "--warmup", "1", *TINY, "--layers", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "1 ranks x 2 stages x 2 replicas" in proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["ranks"] == 1 and report["source"]["dp"] == 2
+    assert report["source"]["files"] == ["trace_rank0.json", "trace_rank1.json"]
+    assert any(note.startswith("--dp 2: the figures are replica 0's") for note in report["notes"])
+    assert proc.stderr.splitlines()[-1].startswith(
+        "graphpipe profile: wrote trace_rank0.json, trace_rank1.json, report.json and"
+    )
 
 
 def test_from_nsys_writes_the_same_outputs(tmp_path: Path, capsys) -> None:
@@ -96,6 +124,9 @@ def test_from_nsys_writes_the_same_outputs(tmp_path: Path, capsys) -> None:
     _check_svg(tmp_path / "o" / "timeline.svg", 2)
     assert out.splitlines()[1].split()[0] == "rank"
     assert not (tmp_path / "o" / "trace_rank0.json").exists()  # nothing ran
+    assert err.splitlines()[-1] == (
+        f"graphpipe profile: wrote report.json and timeline.svg in {tmp_path / 'o'}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -129,3 +160,12 @@ def test_out_is_required(capsys) -> None:
         main(["profile"])
     assert e.value.code == 2
     assert "the following arguments are required: --out" in capsys.readouterr().err
+
+
+def test_kineto_info_lines_are_dropped_from_fd_2_and_the_rest_kept(capfd) -> None:
+    info = "USDT:2026-12-01 08:48:02 22867:22867 SyncActivityProfilerHandler.cpp:52] start\n"
+    stage = "STAGE:2024-01-02 03:04:05 1:2 ActivityProfilerController.cpp:312] Completed\n"
+    warning = "WARNING:2026-12-01 08:48:02 1:1 CuptiActivityProfiler.cpp:9] no CUPTI\n"
+    with kineto_info_dropped():
+        os.write(2, (info + "a line of our own\n" + stage + warning).encode())
+    assert capfd.readouterr().err == "a line of our own\n" + warning

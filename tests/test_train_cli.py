@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from graphpipe.cli import main
+from graphpipe.launch import RunStopped
 from graphpipe.train import Progress, default_layers, default_microbatches
 
 pytestmark = pytest.mark.distributed
@@ -134,7 +137,7 @@ def _main_error(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, st
         (["--metrics", "/no/such/dir/m.jsonl"], "directory /no/such/dir does not exist"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
-        (["--checkpoint-dir", "/dev/null"], "--checkpoint-dir /dev/null is a file"),
+        (["--checkpoint-dir", "/dev/null"], "--checkpoint-dir /dev/null: exists and is not a"),
         (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["--microbatches", "3"], "--microbatches must be >= 2 * --ranks = 4, got 3"),
         (
@@ -327,6 +330,62 @@ def test_the_default_model_trains_on_four_ranks(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "4 ranks x 2 stages, 6 layers, 16 micro-batches" in proc.stderr
     assert len(_step_losses(metrics)) == 1
+
+
+# ------------------------------------------------------------------ non-finite losses
+
+# AdamW's first steps move every weight by about --lr: with 1e30 the activations overflow
+# within a few steps (the tiny model's loss is NaN from step 3 here), whatever the CPU.
+_NONFINITE = re.compile(
+    r"graphpipe train: the loss of step (\d+) is (nan|inf|-inf); stopping "
+    r"\(--allow-nonfinite trains on\)"
+)
+
+
+def test_a_nonfinite_loss_stops_every_rank_at_its_step_with_one_line(tmp_path) -> None:
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    proc = _train(
+        *TINY, "--steps", "8", "--lr", "1e30", "--metrics", str(metrics),
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    stops = [m for line in proc.stderr.splitlines() if (m := _NONFINITE.fullmatch(line))]
+    assert len(stops) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "failed" not in proc.stderr
+    step = int(stops[0][1])
+    rows = _step_losses(metrics)
+    assert [s for s, _ in rows] == list(range(1, step))  # no row for the non-finite step
+    assert all(math.isfinite(loss) for _, loss in rows)
+    newest = max(p.name for p in ckpt.iterdir())  # no checkpoint of the non-finite step
+    assert newest == f"step-{step - 1:08d}"
+
+
+def test_allow_nonfinite_trains_on_and_counts_the_steps(tmp_path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    small = ["--ranks", "1", "--batch-size", "4", "--layers", "1", "--steps", "5"]
+    proc = _train(*TINY, *small, "--lr", "1e30", "--allow-nonfinite", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    rows = _step_losses(metrics)
+    assert [s for s, _ in rows] == [1, 2, 3, 4, 5]
+    bad = [s for s, loss in rows if not math.isfinite(loss)]
+    assert bad, rows
+    assert f"({len(bad)} non-finite step(s), the first at step {bad[0]})" in proc.stderr
+
+
+def test_a_run_stopped_under_torchrun_is_one_line_on_rank_0_only(monkeypatch, capsys) -> None:
+    import graphpipe.train.command
+
+    def stop(args):
+        raise RunStopped("the loss of step 7 is nan; stopping")
+
+    monkeypatch.setattr(graphpipe.train.command, "run", stop)
+    for rank, expected in (
+        ("0", "graphpipe train: the loss of step 7 is nan; stopping\n"),
+        ("1", ""),
+    ):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train"]) == 1
+        assert capsys.readouterr().err == expected
 
 
 # ------------------------------------------------------------------ Ctrl-C

@@ -45,7 +45,9 @@ Modules: ``workloads`` (stage models, ``Workload``, the regimes), ``modes`` (the
 ``measure`` (timed steps, interleaving, the loss check, the recorded timeline), ``memory``,
 ``host`` (host overhead per action), ``costs`` (stage and P2P costs, the simulator
 comparison), ``rank`` (the rank program), ``report`` (tables and the plot), ``world``
-(``BenchWorld``, a pre-spawned world for pytest-benchmark); here: the command line.
+(``BenchWorld``, a pre-spawned world for pytest-benchmark), ``options`` (the regime names and
+default costs the parser offers); here: the command line, which imports torch only when it
+runs (the parts above are imported on first use).
 """
 
 from __future__ import annotations
@@ -55,21 +57,22 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from graphpipe._lazy import lazy_attributes
 from graphpipe.cli import positive_int
+from graphpipe.outputs import check_output_file
 from graphpipe.schedules import SCHEDULES
 from graphpipe.simulate import Costs
 
-from .measure import timed_step
-from .modes import MODE_DUALPIPE, MODE_EAGER, MODE_REPLAY, MODE_TORCH, MODES, Mode, build_modes
-from .moe import moe_main
-from .report import format_report
-from .synthetic import SYNTHETIC_COSTS, synthetic_main
-from .workloads import REGIME_CHOICES, MLPStage, TinyStage, Workload, host_workload, workloads
-from .world import BenchWorld
+from .options import REGIME_CHOICES, SYNTHETIC_COSTS
+
+if TYPE_CHECKING:
+    from .measure import timed_step
+    from .modes import MODE_DUALPIPE, MODE_EAGER, MODE_REPLAY, MODE_TORCH, MODES, Mode, build_modes
+    from .report import format_report
+    from .workloads import MLPStage, TinyStage, Workload, host_workload, workloads
+    from .world import BenchWorld
 
 __all__ = [
     "MODES",
@@ -91,6 +94,24 @@ __all__ = [
     "timed_step",
     "workloads",
 ]
+
+# The benchmark's parts import torch: on first use, so that the parser (``--help``) does not.
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("MODES", "MODE_DUALPIPE", "MODE_EAGER", "MODE_REPLAY", "MODE_TORCH", "Mode"),
+            ".modes",
+        ),
+        "build_modes": ".modes",
+        **dict.fromkeys(
+            ("MLPStage", "TinyStage", "Workload", "host_workload", "workloads"), ".workloads"
+        ),
+        "BenchWorld": ".world",
+        "format_report": ".report",
+        "timed_step": ".measure",
+    },
+)
 
 
 def _non_negative(text: str) -> int:
@@ -141,7 +162,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="R",
         help="rows per micro-batch for every regime (default: overhead 2, compute 32)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (without CUDA the benchmark is "
+        "skipped with a note, status 0) (default cpu)",
+    )
     p.add_argument(
         "--steps", type=positive_int, default=20, help="timed steps per mode (default 20)"
     )
@@ -173,12 +200,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "W and FB (an overlapped F&B pair, default F+B) (default "
         f"{SYNTHETIC_COSTS})",
     )
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write the results as JSON (its directory must exist)",
+    )
     p.add_argument(
         "--plot",
         default=None,
         metavar="FILE",
-        help="draw the measured per-rank timeline of one step next to the simulated one (.svg)",
+        help="draw the measured per-rank timeline of one step next to the simulated one (.svg; "
+        "its directory must exist)",
     )
     p.set_defaults(func=run)
     return p
@@ -191,23 +224,37 @@ def _costs(text: str) -> Costs:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> str | None:
+    """The first problem with the arguments, as one line (None when fine)."""
     m = args.microbatches
     if m is not None and m < 2 * args.ranks:
-        raise SystemExit(
-            f"graphpipe bench: --microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
-        )
+        return f"--microbatches must be >= 2 * --ranks = {2 * args.ranks}, got {m}"
     if args.plot and Path(args.plot).suffix.lower() != ".svg":
-        raise SystemExit(f"graphpipe bench: --plot writes SVG; use a .svg path, not {args.plot!r}")
+        return f"--plot writes SVG; use a .svg path, not {args.plot!r}"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = check_output_file(flag, path) if path else None
+        if problem is not None:
+            return problem
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    """``graphpipe bench``: spawn (or join torchrun's) ranks, print the table, write JSON.
+    """``graphpipe bench``: check the arguments (a bad one: one line, exit status 2), spawn
+    (or join torchrun's) ranks, print the table, write JSON.
 
     ``--device cuda`` without CUDA skips the whole benchmark with a note (and a JSON holding
     only ``skipped``) and returns 0: the GPU figures exist only where a GPU does.
     """
     from graphpipe.launch import joined_torchrun, launch
+
+    if joined_torchrun():
+        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
+    problem = _check(args)
+    if problem is not None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine under torchrun
+            print(f"graphpipe bench: error: {problem}", file=sys.stderr)
+        return 2
+    import torch
 
     from .rank import bench_rank, say
 
@@ -217,16 +264,17 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"skipped": why}, indent=2))
         return 0
-    if joined_torchrun():
-        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
-    _check(args)
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
     opts["command_line"] = " ".join(sys.argv)
     if args.regime == "synthetic":
         opts["schedules"] = sorted(SCHEDULES) if args.schedule == "all" else [args.schedule]
+        from .synthetic import synthetic_main
+
         launch(synthetic_main, args.ranks, args.device, opts)
         return 0
     if args.regime == "moe":
+        from .moe import moe_main
+
         launch(moe_main, args.ranks, args.device, opts)
         return 0
     launch(bench_rank, args.ranks, args.device, opts)

@@ -27,10 +27,9 @@ from torch import nn
 
 from graphpipe.simulate import Costs, dataflow
 
-__all__ = ["SYNTHETIC_COSTS", "SleepStage", "synthetic_main", "synthetic_rank", "synthetic_row"]
+from .options import SYNTHETIC_COSTS
 
-SYNTHETIC_COSTS = Costs(F=10, B=20, I=10, W=10, FB=25)
-"""Milliseconds: DualPipe's shape (B = 2F, I = W = F) with an overlapped pair 5/6 of F + B."""
+__all__ = ["SYNTHETIC_COSTS", "SleepStage", "synthetic_main", "synthetic_rank", "synthetic_row"]
 
 
 _SPIN_S = 0.0003  # the last 0.3 ms of a sleep is a busy wait (see _sleep)

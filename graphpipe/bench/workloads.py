@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .options import REGIME_CHOICES, REGIMES
+
 __all__ = [
     "REGIMES",
     "REGIME_CHOICES",
@@ -20,9 +22,6 @@ __all__ = [
     "mse_loss",
     "workloads",
 ]
-
-REGIMES = ("overhead", "compute", "realistic", "sweep")
-REGIME_CHOICES = (*REGIMES, "both", "all")
 
 
 class MLPStage(nn.Module):

@@ -15,18 +15,22 @@ Modules, one concern each:
   simulator's prediction from the measured action costs;
 * ``report``: ``report.json``, ``timeline.svg`` and the terminal table;
 * ``command``: the ``graphpipe profile`` command (runs the built-in model under
-  torch.profiler on every rank, or reads ``--from-nsys``).
+  torch.profiler on every rank, or reads ``--from-nsys``);
+* ``quiet``: keeps torch.profiler's informational C++ log lines off stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .analysis import Analysis, StepFigures, analyse, step_figures
-from .chrome import load_chrome_traces
-from .nsys import assign_ranks, load_nsys
-from .ranges import STEP, WAIT_PREFIX, Kind, Range, kind_of
+from graphpipe._lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from .analysis import Analysis, StepFigures, analyse, step_figures
+    from .chrome import load_chrome_traces
+    from .nsys import assign_ranks, load_nsys
+    from .ranges import STEP, WAIT_PREFIX, Kind, Range, kind_of
 
 __all__ = [
     "STEP",
@@ -43,6 +47,19 @@ __all__ = [
     "load_nsys",
     "step_figures",
 ]
+
+
+# Imported on first use: ``graphpipe profile --help`` (and ``render``, which reads ``ranges``)
+# need none of the readers.
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    {
+        **dict.fromkeys(("Analysis", "StepFigures", "analyse", "step_figures"), ".analysis"),
+        "load_chrome_traces": ".chrome",
+        **dict.fromkeys(("assign_ranks", "load_nsys"), ".nsys"),
+        **dict.fromkeys(("STEP", "WAIT_PREFIX", "Kind", "Range", "kind_of"), ".ranges"),
+    },
+)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

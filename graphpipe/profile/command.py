@@ -1,8 +1,8 @@
 """``graphpipe profile``: run the built-in model under torch.profiler on every rank (or read
 an nsys export) and write ``report.json``, ``timeline.svg`` and the table.
 
-The model, data and pipeline options are ``graphpipe train``'s (``train.add_model_options``)
-and every rank is set up as ``train`` sets it up (``train.build_rank``); only the public
+The model, data and pipeline options are ``graphpipe train``'s (``train.options.add_model_options``)
+and every rank is set up as ``train`` sets it up (``train.loop.build_rank``); only the public
 pipeline API is used (``DualPipeV(...)``, ``.step()``, ``.close()``): the runtime emits its
 ranges by itself whenever a torch profiler records.
 """
@@ -13,9 +13,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_parser", "run"]
 
@@ -23,18 +24,20 @@ PROG = "graphpipe profile"
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from graphpipe.train import add_model_options
+    from graphpipe.train.options import add_model_options
 
     p = sub.add_parser(
         "profile",
         help="profile training steps: per-rank bubble, communication wait, vs the simulator",
         description=(
             "Run --warmup steps, then --steps training steps of the built-in model under "
-            "torch.profiler on every rank (CPU activity; CUDA too with --device cuda), and "
-            "write DIR/trace_rank{r}.json (Chrome traces), DIR/report.json (per rank: step, "
-            "busy, idle, bubble fraction, communication wait, seconds per action; the "
-            "simulator's prediction from the measured action costs), DIR/timeline.svg "
-            "(measured above simulated on one time axis) and print the table. With "
+            "torch.profiler on every rank (CPU activity; CUDA too with --device cuda), set up "
+            "as graphpipe train sets it up (the same model, data and pipeline options), and "
+            "write DIR/trace_rank{r}.json (Chrome traces, one per rank: --ranks x --dp), "
+            "DIR/report.json (per rank of replica 0: step, busy, idle, bubble fraction, "
+            "communication wait, seconds per action; the simulator's prediction from the "
+            "measured action costs), DIR/timeline.svg (measured above simulated on one time "
+            "axis) and print the table; the last line names every file written. With "
             "--from-nsys, compute the same from the NVTX ranges of an Nsight Systems SQLite "
             "export instead of running (the model options are then unused; ranks and "
             "micro-batches come from the ranges)."
@@ -55,7 +58,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="steps run before profiling (default 2: the first step exchanges shapes and "
         "records, with --capture the second one captures)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="where the files go (created)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="where the files go (created if missing; its parent must exist)",
+    )
     p.add_argument(
         "--clock",
         choices=("host", "gpu"),
@@ -82,18 +90,18 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from graphpipe.launch import joined_torchrun, launch
-    from graphpipe.train import _check
+    from graphpipe.outputs import check_output_dir
+    from graphpipe.train.checks import check_model, torchrun_world
 
     if args.steps < 1:
         return _fail(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return _fail(f"--out {args.out}: exists and is not a directory")
+    problem = check_output_dir("--out", out)
+    if problem is not None:
+        return _fail(problem)
     if args.from_nsys is not None:
         return _from_nsys(args, out)
-    if joined_torchrun():
-        args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides
-    problem = _check(args)
+    problem = torchrun_world(args) or check_model(args)
     if problem is None and args.warmup < 0:
         problem = f"--warmup must be >= 0, got {args.warmup}"
     if problem is None and args.clock == "gpu" and args.device != "cuda":
@@ -101,30 +109,40 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _fail(problem)
     clock = args.clock or ("gpu" if args.device == "cuda" else "host")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)  # its parent was checked
     opts = {k: v for k, v in vars(args).items() if k != "func"}
     opts["out"] = str(out)
-    launch(_profile_rank, args.ranks, args.device, opts)
+    world = args.ranks * args.dp
+    launch(_profile_rank, world, args.device, opts)
     if joined_torchrun() and int(os.environ["RANK"]) != 0:
         return 0
     from .analysis import analyse
     from .chrome import load_chrome_traces
 
-    paths = {r: out / f"trace_rank{r}.json" for r in range(args.ranks)}
+    traces = [_trace_path(out, r) for r in range(world)]
+    notes = []
+    if args.dp > 1:
+        replica0 = "rank 0" if args.ranks == 1 else f"ranks 0-{args.ranks - 1}"
+        notes.append(
+            f"--dp {args.dp}: the figures are replica 0's (global {replica0}); every rank's "
+            "trace is written"
+        )
     try:
-        ranges = load_chrome_traces(paths, clock)
+        ranges = load_chrome_traces(dict(enumerate(traces[: args.ranks])), clock)
         analysis = analyse(
             ranges,
             steps=args.steps,
             microbatches=args.microbatches,
             source={
                 "kind": "torch.profiler",
-                "files": [p.name for p in paths.values()],
+                "files": [p.name for p in traces],
                 "clock": clock,
                 "device": args.device,
                 "capture": args.capture,
                 "warmup_steps": args.warmup,
+                "dp": args.dp,
             },
+            notes=notes,
         )
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
@@ -134,15 +152,23 @@ def run(args: argparse.Namespace) -> int:
             "host clock on CUDA: the ranges time what the host did (launches, and waits where "
             "it blocked), not when the GPU ran the work; --clock gpu projects them onto it"
         )
-    return _write(analysis, out)
+    return _write(analysis, out, traces)
 
 
-def _write(analysis: Any, out: Path) -> int:
+def _trace_path(out: Path, rank: int) -> Path:
+    return out / f"trace_rank{rank}.json"
+
+
+def _write(analysis: Any, out: Path, traces: list[Path]) -> int:
+    """Write the report and the timeline, print the table; the last line names every file
+    this run wrote (``traces``: the ranks' traces, already written)."""
     from .report import format_table, write_outputs
 
     report_path, svg_path = write_outputs(analysis, out)
     print(format_table(analysis.report))
-    print(f"{PROG}: wrote {report_path} and {svg_path}", file=sys.stderr)
+    files = [*traces, report_path, svg_path]
+    names = ", ".join(Path(f).name for f in files[:-1]) + f" and {Path(files[-1]).name}"
+    print(f"{PROG}: wrote {names} in {out}", file=sys.stderr)
     return 0
 
 
@@ -173,15 +199,18 @@ def _from_nsys(args: argparse.Namespace, out: Path) -> int:
         )
     except ValueError as e:
         return _fail(str(e))
-    out.mkdir(parents=True, exist_ok=True)
-    return _write(analysis, out)
+    out.mkdir(exist_ok=True)  # its parent was checked
+    return _write(analysis, out, [])
 
 
 def _profile_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from graphpipe.train import build_rank
+    from graphpipe.train.loop import build_rank
+
+    from .quiet import kineto_info_dropped
 
     run = build_rank(rank, world, device, opts, prog=PROG)
     cuda = device.type == "cuda"
@@ -189,13 +218,19 @@ def _profile_rank(rank: int, world: int, device: torch.device, opts: dict) -> No
     try:
         for _ in range(opts["warmup"]):
             float(run.step(*run.next_batch()))
-        with profile(activities=activities) as prof:
+        prof = profile(activities=activities)
+        with kineto_info_dropped():  # kineto logs "profiler_start" to fd 2
+            prof.start()
+        try:
             for _ in range(opts["steps"]):
                 loss = run.step(*run.next_batch())
                 if cuda:
                     torch.cuda.synchronize()  # as graphpipe train does after every step
                 value = float(loss)
-        prof.export_chrome_trace(str(Path(opts["out"]) / f"trace_rank{rank}.json"))
+        finally:
+            with kineto_info_dropped():
+                prof.stop()
+        prof.export_chrome_trace(str(_trace_path(Path(opts["out"]), rank)))
     finally:
         run.close()
     if rank == 0:
