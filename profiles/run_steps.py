@@ -51,7 +51,10 @@ def _workload(regime: str, world: int, opts: dict) -> Workload:
 def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     w = _workload(opts["regime"], world, opts)
     name = _MODES[opts["mode"]]
-    (mode,), _ = build_modes(w, rank, world, device, dist.group.WORLD, only=(name,))
+    built, skipped = build_modes(w, rank, world, device, dist.group.WORLD, only=(name,))
+    if name in skipped:
+        raise SystemExit(f"run_steps.py: {name} skipped: {skipped[name]}")
+    (mode,) = built
     x, y = w.batch(device)
     batch = (x, y) if rank == 0 else (None, None)
     times = []
