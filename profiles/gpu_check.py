@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     log.write_text("")
     try:
         summary = run_checks(CHECKS, work, budget_s, env, only=only, log=log)
+    except ValueError as exc:  # an unknown name in GPU_CHECK_ONLY
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return 2
     finally:
         _remove_install_link(work)
         shutil.rmtree(work, ignore_errors=True)
