@@ -35,6 +35,7 @@ from graphpipe.bench import (
     timed_step,
     workloads,
 )
+from graphpipe.bench.modes import torch_schedule_unavailable
 from graphpipe.launch import launch
 
 _MODES = {"eager": MODE_EAGER, "replay": MODE_REPLAY, "torch": MODE_TORCH}
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb-rows", type=int, default=None)
     p.add_argument("--torch-profile", default=None, metavar="DIR")
     args = p.parse_args(argv)
+    if args.mode == "torch" and (why := torch_schedule_unavailable("gloo")) is not None:
+        p.error(why)  # the ranks run on gloo
     launch(_rank, args.ranks, "cpu", vars(args))
     return 0
 
