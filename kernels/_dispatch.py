@@ -9,6 +9,10 @@
 #                                     graphpipe.kernels is imported, else RuntimeError.
 #   anything else                     ValueError naming the value.
 #
+# Forced Triton on CPU also raises (RuntimeError naming the versions) for a kernel that loops
+# over a run-time bound when Triton's interpreter cannot run such a loop: see
+# interpreter_problem().
+#
 # The choice itself never syncs with the device: it looks at tensor metadata only.
 """Backend dispatch for ``graphpipe.kernels``."""
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -71,8 +76,49 @@ def interpreter_ready() -> bool:
     return KERNELS_INTERPRETED
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Decide whether the op on tensor ``x`` runs the Triton kernels.
+def _major_minor(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"cannot read a major.minor version from {version!r}")
+    return int(found[1]), int(found[2])
+
+
+def interpreter_problem(
+    triton_version: str | None = None, numpy_version: str | None = None
+) -> str | None:
+    """Why Triton's interpreter cannot run a kernel that loops over a run-time bound here, or
+    None when it can (the installed versions unless given).
+
+    A kernel's ``for start in range(0, n_cols, BLOCK)`` (``n_cols`` an argument) calls
+    ``__index__`` on the interpreter's scalar, which Triton before 3.7 implements as
+    ``int(data)`` on a one-element 1-d array; numpy 2.4 turned that conversion (deprecated
+    since 1.25) into ``TypeError: only 0-dimensional arrays can be converted to Python
+    scalars``. Triton 3.7 squeezes the array first. The RMSNorm and cross-entropy kernels loop
+    so; SwiGLU does not. Only the interpreter (CPU) is affected, never the compiled kernels.
+    """
+    if triton_version is None:
+        if not HAS_TRITON:  # pragma: no cover - depends on the install
+            return None
+        triton_version = triton.__version__
+    if numpy_version is None:
+        try:
+            import numpy
+        except ImportError:  # the interpreter needs numpy; its absence is Triton's error
+            return None
+        numpy_version = numpy.__version__
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run a loop over a run-time bound "
+            f"with numpy {numpy_version} (its tensor __index__ converts a 1-element array "
+            "with int(), which numpy >= 2.4 refuses): use numpy < 2.4 or Triton >= 3.7 "
+            "for the interpreted kernels, or GRAPHPIPE_KERNELS=torch"
+        )
+    return None
+
+
+def use_triton(x: torch.Tensor, runtime_loops: bool = False) -> bool:
+    """Decide whether the op on tensor ``x`` runs the Triton kernels; ``runtime_loops``: the
+    op's kernels loop over a run-time bound (see ``interpreter_problem``).
 
     Raises:
         ValueError: bad ``GRAPHPIPE_KERNELS`` value.
@@ -111,6 +157,8 @@ def use_triton(x: torch.Tensor) -> bool:
             "graphpipe.kernels was imported, so its kernels were defined for the GPU; set "
             "TRITON_INTERPRET=1 before the import"
         )
+    if runtime_loops and (why := interpreter_problem()) is not None:
+        raise RuntimeError(f"{ENV_VAR}=triton on a {x.device.type} tensor: {why}")
     return True
 
 
@@ -170,6 +218,7 @@ __all__ = [
     "KERNELS_INTERPRETED",
     "LaunchConfig",
     "device_guard",
+    "interpreter_problem",
     "interpreter_ready",
     "kernel_mode",
     "num_persistent_programs",

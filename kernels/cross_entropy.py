@@ -251,7 +251,7 @@ def cross_entropy(
             f"{tuple(logits.shape)} and {tuple(target.shape)}"
         )
     target = target.long().contiguous()  # no-ops for the usual contiguous int64 target
-    if use_triton(logits):
+    if use_triton(logits, runtime_loops=True):
         return _CrossEntropyFn.apply(logits, target, ignore_index, block_size)
     return cross_entropy_reference(logits, target, ignore_index)
 

@@ -401,7 +401,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     Computed in float32, returned in ``x.dtype``. Triton on CUDA, torch reference on CPU;
     see ``graphpipe.kernels._dispatch`` for the ``GRAPHPIPE_KERNELS`` override.
     """
-    if use_triton(x):
+    if use_triton(x, runtime_loops=True):
         return _RMSNormFn.apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -416,7 +416,7 @@ def rms_norm_residual(
     ``normed = rms_norm(new_residual, weight, eps)``. Gradients of both outputs flow
     back to ``x`` and ``residual``.
     """
-    if use_triton(x):
+    if use_triton(x, runtime_loops=True):
         return _RMSNormResidualFn.apply(x, residual, weight, eps)
     return rms_norm_residual_reference(x, residual, weight, eps)
 

@@ -1,17 +1,16 @@
 """The JSON summary of ``profiles/gpu_check.sh``: one record per check, merged into one file.
 
-``gpu_check.sh`` runs each check as one command under ``timeout`` and then calls
+The runner (``profiles/gpu_check.py``) runs each check as one command within its budget and
+then calls ``record_check``, which reads what the check left in ``WORK`` under its name
+(``NAME.log``, the figures the command wrote to ``NAME.figures.json``, pytest's ``NAME.xml``
+JUnit report) and writes ``WORK/NAME.json``: name, status (``passed`` / ``failed`` /
+``skipped``), seconds, budget, its figures. ``skipped_check`` records a check that was not
+started (``skipped_for_time`` when its budget did not fit), ``install`` installs the project
+(itself a check: ``python3 profiles/gpu_summary.py install ...``), and ``merge`` makes the one
+summary:
 
-    python3 profiles/gpu_summary.py record --dir WORK --name NAME --rc RC --started EPOCH \\
-        --limit SECONDS
-
-which reads what the check left in ``WORK`` under its name (``NAME.log``, the figures the
-command wrote to ``NAME.figures.json``, pytest's ``NAME.xml`` JUnit report) and writes
-``WORK/NAME.json``: name, status (``passed`` / ``failed`` / ``skipped``), seconds, its
-figures. ``skip`` records a check that did not run, ``install`` installs the project (and is
-itself a check), and ``merge`` writes the one summary and prints it:
-
-    {"status": ..., "passed": n, "failed": n, "skipped": n, "host": {...}, "checks": [...]}
+    {"status": ..., "passed": n, "failed": n, "skipped": n, "seconds": s, "budget_s": s,
+     "host": {...}, "checks": [...]}
 
 Only the standard library is imported, except in ``host_info`` (torch, triton when present).
 """
@@ -92,18 +91,20 @@ def check_record(
     name: str,
     rc: int,
     seconds: float,
-    limit_s: float | None,
+    budget_s: float | None,
     figures: dict[str, Any] | None = None,
     junit: dict[str, Any] | None = None,
     log_tail: str = "",
 ) -> dict[str, Any]:
-    """One check's entry in the summary. The log tail is kept only for a failed check."""
+    """One check's entry in the summary (``budget_s``: its budget, which was also its time
+    limit). The log tail is kept only for a failed check."""
     status = status_of(rc, figures, junit)
     record: dict[str, Any] = {
         "name": name,
         "status": status,
         "seconds": round(seconds, 1),
-        "limit_s": limit_s,
+        "budget_s": budget_s,
+        "skipped_for_time": False,
         "rc": rc,
         "timed_out": rc in TIMEOUT_RCS,
         "figures": dict(figures or {}),
@@ -123,7 +124,7 @@ def check_record(
 
 
 def record_check(
-    work: Path, name: str, rc: int, started: float, limit_s: float | None
+    work: Path, name: str, rc: int, started: float, budget_s: float | None
 ) -> dict[str, Any]:
     """Build the entry of check ``name`` from what it left in ``work``; write NAME.json."""
     junit_path = work / f"{name}.xml"
@@ -132,7 +133,7 @@ def record_check(
         name,
         rc,
         time.time() - started,
-        limit_s,
+        budget_s,
         figures=_read_json(work / f"{name}.figures.json"),
         junit=junit,
         log_tail=_tail(work / f"{name}.log"),
@@ -140,9 +141,19 @@ def record_check(
     return _write(work, rec)
 
 
-def skipped_check(work: Path, name: str, reason: str) -> dict[str, Any]:
-    """The entry of a check that did not run."""
-    rec = {"name": name, "status": "skipped", "seconds": 0.0, "reason": reason, "figures": {}}
+def skipped_check(
+    work: Path, name: str, reason: str, budget_s: float | None = None, for_time: bool = False
+) -> dict[str, Any]:
+    """The entry of a check that was not started (``for_time``: its budget did not fit)."""
+    rec = {
+        "name": name,
+        "status": "skipped",
+        "seconds": 0.0,
+        "budget_s": budget_s,
+        "skipped_for_time": for_time,
+        "reason": reason,
+        "figures": {},
+    }
     return _write(work, rec)
 
 
@@ -152,9 +163,15 @@ def _write(work: Path, rec: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def merge(records: list[dict[str, Any]], host: dict[str, Any]) -> dict[str, Any]:
+def merge(
+    records: list[dict[str, Any]],
+    host: dict[str, Any],
+    budget_s: float | None = None,
+    seconds: float | None = None,
+) -> dict[str, Any]:
     """The summary: overall status (failed if any check failed, else passed if any passed,
-    else skipped), counts, the host and the checks in the order they ran."""
+    else skipped), counts, the run's seconds and budget, the host and the checks in the order
+    they ran."""
     checks = sorted(records, key=lambda r: r.get("ended", 0.0))
     counts = {s: sum(r["status"] == s for r in checks) for s in STATUSES}
     if counts["failed"]:
@@ -163,7 +180,8 @@ def merge(records: list[dict[str, Any]], host: dict[str, Any]) -> dict[str, Any]
         status = "passed"
     else:
         status = "skipped"
-    return {"status": status, **counts, "host": host, "checks": checks}
+    run = {"seconds": None if seconds is None else round(seconds, 1), "budget_s": budget_s}
+    return {"status": status, **counts, **run, "host": host, "checks": checks}
 
 
 def load_records(work: Path) -> list[dict[str, Any]]:
@@ -209,7 +227,7 @@ def install(repo: Path, figures_path: Path, pip_timeout: float) -> int:
     ``pip install --no-deps --no-build-isolation --no-index -e .`` uses the setuptools already
     installed and fetches nothing. ``graphpipe.kernels`` exists only through the install
     (``kernels/`` maps to it), so if the install fails, ``graphpipe/kernels`` is made a
-    symbolic link to ``../kernels`` (removed again by gpu_check.sh at exit), which works with
+    symbolic link to ``../kernels`` (removed again by gpu_check.py at the end), which works with
     the repository root on ``PYTHONPATH``. Returns 0 when ``graphpipe.kernels`` imports.
     """
     figures: dict[str, Any] = {}
@@ -253,38 +271,12 @@ def install(repo: Path, figures_path: Path, pip_timeout: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    rec = sub.add_parser("record", help="record one check that ran")
-    rec.add_argument("--dir", required=True, type=Path)
-    rec.add_argument("--name", required=True)
-    rec.add_argument("--rc", required=True, type=int)
-    rec.add_argument("--started", required=True, type=float, help="epoch seconds at its start")
-    rec.add_argument("--limit", type=float)
-    skip = sub.add_parser("skip", help="record a check that did not run")
-    skip.add_argument("--dir", required=True, type=Path)
-    skip.add_argument("--name", required=True)
-    skip.add_argument("--reason", required=True)
     inst = sub.add_parser("install", help="install the project (a check of its own)")
     inst.add_argument("--repo", required=True, type=Path)
     inst.add_argument("--figures", required=True, type=Path)
     inst.add_argument("--pip-timeout", type=float, default=120.0)
-    mer = sub.add_parser("merge", help="write the summary and print it")
-    mer.add_argument("--dir", required=True, type=Path)
-    mer.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
-    if args.cmd == "record":
-        done = record_check(args.dir, args.name, args.rc, args.started, args.limit)
-        print(f"== {args.name}: {done['status']} in {done['seconds']} s")
-    elif args.cmd == "skip":
-        skipped_check(args.dir, args.name, args.reason)
-        print(f"== {args.name}: skipped ({args.reason})")
-    elif args.cmd == "install":
-        return install(args.repo, args.figures, args.pip_timeout)
-    else:
-        summary = merge(load_records(args.dir), host_info())
-        text = json.dumps(summary, indent=1, default=str)
-        args.out.write_text(text + "\n")
-        print(text)
-    return 0
+    return install(args.repo, args.figures, args.pip_timeout)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from graphpipe.bench import (
     timed_step,
     workloads,
 )
+from graphpipe.bench.modes import torch_schedule_unavailable
 from graphpipe.launch import launch
 
 _MODES = {"eager": MODE_EAGER, "replay": MODE_REPLAY, "torch": MODE_TORCH}
@@ -51,7 +52,10 @@ def _workload(regime: str, world: int, opts: dict) -> Workload:
 def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
     w = _workload(opts["regime"], world, opts)
     name = _MODES[opts["mode"]]
-    (mode,), _ = build_modes(w, rank, world, device, dist.group.WORLD, only=(name,))
+    built, skipped = build_modes(w, rank, world, device, dist.group.WORLD, only=(name,))
+    if name in skipped:
+        raise SystemExit(f"run_steps.py: {name} skipped: {skipped[name]}")
+    (mode,) = built
     x, y = w.batch(device)
     batch = (x, y) if rank == 0 else (None, None)
     times = []
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb-rows", type=int, default=None)
     p.add_argument("--torch-profile", default=None, metavar="DIR")
     args = p.parse_args(argv)
+    if args.mode == "torch" and (why := torch_schedule_unavailable("gloo")) is not None:
+        p.error(why)  # the ranks run on gloo
     launch(_rank, args.ranks, "cpu", vars(args))
     return 0
 

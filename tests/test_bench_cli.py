@@ -17,8 +17,13 @@ import pytest
 import torch
 
 from graphpipe import bench
+from graphpipe.bench.modes import torch_schedule_unavailable
 
 pytestmark = pytest.mark.distributed
+
+# Before torch 2.12 torch's ScheduleDualPipeV cannot start on gloo (a send from a rank to
+# itself): bench reports it skipped with this reason, and the comparisons run without it.
+TORCH_SKIPPED = torch_schedule_unavailable("gloo")
 
 STEPS = 2
 TINY = [
@@ -36,7 +41,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _expected_modes() -> set[str]:
-    return {bench.MODE_EAGER, bench.MODE_REPLAY, bench.MODE_TORCH}
+    torch_mode = {bench.MODE_TORCH} if TORCH_SKIPPED is None else set()
+    return {bench.MODE_EAGER, bench.MODE_REPLAY, *torch_mode}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +63,26 @@ def test_every_mode_ran_or_was_skipped_with_a_reason(result: tuple[dict, Path, s
         assert ran | skipped == set(bench.MODES), name
         assert not ran & skipped, name
         assert all(isinstance(why, str) and why for why in reg["skipped"].values())
+        if TORCH_SKIPPED is not None:
+            assert reg["skipped"][bench.MODE_TORCH] == TORCH_SKIPPED, name
+
+
+@pytest.mark.parametrize(
+    ("backend", "version", "runs"),
+    [
+        ("gloo", "2.11.0+cu130", False),  # the lent GPU machine's torch
+        ("gloo", "2.11.0", False),
+        ("gloo", "2.12.0", True),
+        ("gloo", "2.13.0+cpu", True),
+        ("nccl", "2.11.0+cu130", True),
+    ],
+)
+def test_torch_schedule_on_gloo_needs_torch_2_12(backend: str, version: str, runs: bool) -> None:
+    why = torch_schedule_unavailable(backend, version)
+    assert (why is None) == runs
+    if not runs:
+        assert why.startswith("torch < 2.12 cannot run ScheduleDualPipeV on gloo")
+        assert version in why
 
 
 def test_step_times_are_positive_and_ratios_consistent(result: tuple[dict, Path, str]) -> None:
@@ -102,6 +128,11 @@ def test_host_overhead_and_simulation_figures(result: tuple[dict, Path, str]) ->
     one = host["one_rank"]
     assert all(t > 0 for t in one["median_s"].values())
     assert math.isfinite(one["executor_overhead_per_action_s"])
+    if TORCH_SKIPPED is None:
+        assert math.isfinite(one["torch_overhead_per_action_s"])
+    else:
+        assert one["torch_overhead_per_action_s"] is None
+        assert one["skipped"] == {bench.MODE_TORCH: TORCH_SKIPPED}
     for reg in data["regimes"].values():
         sim = reg["simulation"]
         assert all(sim["costs_s"][k] > 0 for k in "FBIW")
@@ -119,6 +150,8 @@ def test_report_and_plot(result: tuple[dict, Path, str]) -> None:
     for reg in data["regimes"].values():
         for name in reg["modes"]:
             assert name in report
+    if TORCH_SKIPPED is not None:
+        assert f"{bench.MODE_TORCH:<24} skipped: {TORCH_SKIPPED}" in report
     text = svg.read_text()
     assert text.startswith("<svg") and text.rstrip().endswith("</svg>")
     assert "measured" in text and "simulated" in text and "rank 1" in text

@@ -52,6 +52,7 @@ def _bitwise_case(
     for step in range(steps):
         x, y = batch(rows, seed=100 + step)
         xs, ys = (x, y) if rank == 0 else (None, None)
+        # bitwise: the static replay runs the eager program's kernels in the same order
         if step == 3:  # an eager forward() between captured steps leaves the capture intact
             fe, fc = eager.forward(xs), captured.forward(xs)
             if rank == 0 and not torch.equal(fe, fc):
@@ -223,6 +224,7 @@ def _optimizer_case(rank: int, world: int) -> list[str]:
         le = eager.step(xs, ys)
         opt_e.step()
         lc = captured.step(xs, ys)  # zeroes grads and steps opt_c itself
+        # bitwise: the static replay runs the eager program's kernels in the same order
         if not torch.equal(le, lc):
             problems.append(f"step {step}: loss differs")
         for i, (a, b) in enumerate(zip(params(es), params(cs))):

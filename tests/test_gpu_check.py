@@ -1,8 +1,10 @@
 """``profiles/gpu_check.sh`` and its JSON summary, on CPU.
 
-The summary writer (``profiles/gpu_summary.py``) is tested on made-up check outputs, and the
-script itself is run end to end with two of its checks selected: without CUDA both skip, and
-the summary must say so and the script exit 0. No GPU result is claimed here.
+The summary writer (``profiles/gpu_summary.py``) is tested on made-up check outputs, the
+runner's budgeting (``profiles/gpu_check.py``: order, skip-for-time, the time limit, the
+seconds in the JSON) with stand-in checks, and the script itself is run end to end with two
+of its checks selected: without CUDA both skip, and the summary must say so and the script
+exit 0. No GPU result is claimed here.
 """
 
 from __future__ import annotations
@@ -21,10 +23,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "profiles" / "gpu_check.sh"
 
-_spec = importlib.util.spec_from_file_location("gpu_summary", ROOT / "profiles" / "gpu_summary.py")
-assert _spec is not None and _spec.loader is not None
-gpu_summary = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_summary)
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "profiles" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_summary = _load("gpu_summary")
+gpu_check = _load("gpu_check")
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">
@@ -81,21 +91,23 @@ def test_records_and_merge_order_counts_and_overall_status(tmp_path):
     # a script check that reports it could not run, then one that never started
     (work / "sweep.figures.json").write_text(json.dumps({"skipped": "CUDA is not available"}))
     skipped = gpu_summary.record_check(work, "sweep", 0, time.time(), 90)
-    late = gpu_summary.skipped_check(work, "bandwidth", "only 10 s left of the 420 s budget")
+    late = gpu_summary.skipped_check(work, "bandwidth", "10 s left of 420 s", 60, for_time=True)
 
-    assert failed["status"] == "failed" and failed["seconds"] >= 2.0 and failed["limit_s"] == 60
+    assert failed["status"] == "failed" and failed["seconds"] >= 2.0 and failed["budget_s"] == 60
     assert failed["figures"]["t::x"] == {"max_abs_diff": 1e-7}
     assert failed["figures"]["tests"]["failed"] == 2
     assert failed["log_tail"].splitlines()[-1] == "line 99"
     assert len(failed["log_tail"].splitlines()) == gpu_summary.LOG_TAIL_LINES
     assert skipped["status"] == "skipped" and skipped["reason"] == "CUDA is not available"
     assert "log_tail" not in skipped
-    assert late["status"] == "skipped" and "budget" in late["reason"]
+    assert late["status"] == "skipped" and late["skipped_for_time"] and late["budget_s"] == 60
+    assert not skipped["skipped_for_time"] and not failed["skipped_for_time"]
 
-    summary = gpu_summary.merge(gpu_summary.load_records(work), {"python": "3.x"})
+    summary = gpu_summary.merge(gpu_summary.load_records(work), {"python": "3.x"}, 420, 12.34)
     assert [c["name"] for c in summary["checks"]] == ["capture", "sweep", "bandwidth"]
     assert (summary["passed"], summary["failed"], summary["skipped"]) == (0, 1, 2)
     assert summary["status"] == "failed"
+    assert (summary["seconds"], summary["budget_s"]) == (12.3, 420)
     assert summary["host"] == {"python": "3.x"}
     json.dumps(summary)  # serialisable as written
 
@@ -116,6 +128,83 @@ def test_unreadable_figures_are_reported_not_raised(tmp_path):
     (tmp_path / "x.figures.json").write_text("{not json")
     rec = gpu_summary.record_check(tmp_path, "x", 0, time.time(), None)
     assert "unreadable_figures" in rec["figures"]
+
+
+def _stand_in(name: str, budget_s: int, code: str, junit: bool = False):
+    if junit:  # a pytest stand-in: one passing test file, run with --junitxml appended
+        return gpu_check.Check(
+            name,
+            budget_s,
+            "stand-in",
+            (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", code),
+            junit=True,
+        )
+    return gpu_check.Check(name, budget_s, "stand-in", (sys.executable, "-c", code))
+
+
+def test_runner_orders_checks_skips_for_time_and_records_durations(tmp_path):
+    """Stand-in checks within a 40 s budget: each runs in plan order; one that overruns is
+    killed at its budget (failed, timed out); one whose budget exceeds what is left is never
+    started (no marker file) and is skipped for time; a later, smaller one still runs."""
+    work, marker = tmp_path / "work", tmp_path / "started"
+    work.mkdir()
+    test_file = tmp_path / "test_stand_in.py"
+    test_file.write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    figures = "import json, os; json.dump({'x': 1}, open(os.environ['GPU_CHECK_FIGURES'], 'w'))"
+    checks = [
+        _stand_in("first", 20, figures),
+        _stand_in("overrun", 2, "import time; time.sleep(60)"),
+        _stand_in("too_big", 1000, f"open({str(marker)!r}, 'w')"),
+        _stand_in("junit", 20, str(test_file), junit=True),
+        _stand_in("not_selected", 5, f"open({str(marker)!r}, 'w')"),
+    ]
+    summary = gpu_check.run_checks(
+        checks,
+        work,
+        40,
+        dict(os.environ),
+        only=["first", "overrun", "too_big", "junit"],
+        host=lambda: {"stand": "in"},
+    )
+    by_name = {c["name"]: c for c in summary["checks"]}
+    assert [c["name"] for c in summary["checks"]] == ["first", "overrun", "too_big", "junit"]
+    assert not marker.exists()  # neither the skipped nor the unselected check started
+    first, overrun, big, junit = (by_name[n] for n in ("first", "overrun", "too_big", "junit"))
+    assert (first["status"], first["figures"], first["budget_s"]) == ("passed", {"x": 1}, 20)
+    assert overrun["status"] == "failed" and overrun["timed_out"] and overrun["rc"] == 124
+    assert overrun["seconds"] >= 2  # it ran up to its budget, not the 60 s it asked for
+    assert big["status"] == "skipped" and big["skipped_for_time"] and big["seconds"] == 0.0
+    assert big["reason"].startswith("skipped for time: its budget is 1000 s and ")
+    assert junit["status"] == "passed" and junit["figures"]["tests"]["passed"] == 1
+    assert all(isinstance(c["seconds"], float) and c["seconds"] >= 0 for c in by_name.values())
+    assert summary["budget_s"] == 40 and summary["seconds"] >= overrun["seconds"]
+    assert (summary["passed"], summary["failed"], summary["skipped"]) == (2, 1, 1)
+    assert summary["host"] == {"stand": "in"}
+    with pytest.raises(ValueError, match="no_such_check"):
+        gpu_check.run_checks(checks, work, 40, {}, only=["no_such_check"])
+
+
+def test_the_plan_is_in_order_of_value_and_the_first_checks_always_fit():
+    names = [c.name for c in gpu_check.CHECKS]
+    assert names == [
+        "install",
+        "capture_llama",
+        "kernels_in_graph",
+        "nccl_capture",
+        "action_ranges",
+        "replay_sweep",
+        "kernel_bandwidth",
+        "moe_capture",
+        "kernel_tests",
+    ]
+    assert all(c.estimate and 0 < c.budget_s <= 300 for c in gpu_check.CHECKS)
+    # the install and the three captures (model, kernels, NCCL) start whatever happens before
+    first = sum(c.budget_s for c in gpu_check.CHECKS[:4])
+    assert first <= gpu_check.DEFAULT_BUDGET_S, first
+    # and the run, the summary included, stays within 8 minutes
+    assert gpu_check.DEFAULT_BUDGET_S + 60 <= 8 * 60
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        gpu_check.Check("x", 0, "none", ("true",))
 
 
 def test_script_parses_as_bash():

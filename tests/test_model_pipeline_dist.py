@@ -49,6 +49,11 @@ def _pipeline_rank(rank: int, world: int, mode: str) -> dict:
 def test_llama_pipeline_with_kernels_matches_the_torch_reference_model(mode: str) -> None:
     if mode == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")):
         pytest.skip("the Triton path on CPU needs TRITON_INTERPRET=1")
+    if mode == "triton" and not torch.cuda.is_available():
+        from graphpipe.kernels._dispatch import interpreter_problem
+
+        if (why := interpreter_problem()) is not None:  # RMSNorm and cross-entropy loop
+            pytest.skip(why)
     from graphpipe.models import LlamaLoss, build_stages
 
     ref_stages = build_stages(_config(use_kernels=False), 2 * WORLD, seed=0)

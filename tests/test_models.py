@@ -129,6 +129,7 @@ def test_sequential_stages_equal_unsplit(num_stages: int) -> None:
         assert x.dtype == F64
 
     expected = model(tokens)
+    # float64, the split stages against the unsplit model: equal up to rounding (1e-12)
     torch.testing.assert_close(nn.Sequential(*stages)(tokens), expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
     # Not trivially equal: the logits depend on the input.
@@ -151,6 +152,7 @@ def test_same_seed_same_weights_for_any_split() -> None:
     rng_before = torch.get_rng_state()
     reference = _layer_state(build_stages(cfg, 1, seed=7))
     assert torch.equal(torch.get_rng_state(), rng_before)  # building leaves the global RNG alone
+    # bitwise below: the same seeded draws, whatever the split
     for num_stages in (2, 4, 8):
         state = _layer_state(build_stages(cfg, num_stages, seed=7))
         assert len(state) == len(reference)
@@ -204,6 +206,7 @@ def test_tied_gradient_is_sum_of_both_uses() -> None:
     embed_grad, head_grad = untied[0].embed.weight.grad, untied[-1].head.weight.grad
     assert tied_grad is not None and embed_grad is not None and head_grad is not None
     assert embed_grad.abs().sum() > 0 and head_grad.abs().sum() > 0
+    # float64: autograd sums both uses into one .grad, here they are added afterwards: rounding
     torch.testing.assert_close(tied_grad, embed_grad + head_grad, rtol=1e-10, atol=1e-12)
     assert not torch.allclose(tied_grad, head_grad)
     # The other parameters agree too.
@@ -223,6 +226,8 @@ def test_causal() -> None:
     changed[:, t + 1] = (changed[:, t + 1] + 1) % 256
     with torch.no_grad():
         base, after = model(tokens), model(changed)
+    # the prefix from the same kernels on the same values; 1e-12 absolute (logits are O(1))
+    # allows for a kernel whose blocking depends on the other rows of the batch
     torch.testing.assert_close(after[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-12)
     assert (after[:, t + 1 :] - base[:, t + 1 :]).abs().amax(dim=-1).min() > 1e-6
 

@@ -72,6 +72,7 @@ def test_first_choices_take_slots_before_second_choices_and_drops_are_counted() 
     assert r.slots.tolist() == [2, 0, e_c, e_c, 1, e_c]
     assert r.dropped.dtype == torch.int64 and r.dropped.dim() == 0
     assert torch.equal(r.dropped, torch.tensor(3))
+    # bitwise: the routing weights are this same softmax of the same logits, only selected
     probs = torch.softmax(logits, -1)
     want = torch.stack(
         [probs[0, 2], probs[1, 0], probs[2, 0], probs[0, 0], probs[1, 1], probs[2, 1]]
@@ -189,6 +190,7 @@ def test_stages_return_hidden_and_aux_and_the_loss_adds_aux() -> None:
     assert h.shape == (2, 8, 16) and logits.shape == (2, 8, 256)
     assert aux0.shape == aux2.shape == (1,)
     # blocks per stage [1, 1, 0]: each stage adds its blocks' share; the head adds nothing
+    # (it passes aux on untouched, hence bitwise)
     assert 0 < float(aux0) < float(aux1) and torch.equal(aux1, aux2)
     ce = LlamaLoss(False)(logits, y)
     torch.testing.assert_close(LlamaLoss(False)((logits, aux2), y), ce + aux2[0])
@@ -204,6 +206,10 @@ def test_chunked_backward_equals_unchunked_backward() -> None:
         loss.backward()
         results.append((loss.detach(), _grads([model])))
     (la, ga), (lb, gb) = results
+    # The loss bitwise: chunking cuts the autograd graph, the forward runs the same kernels in
+    # the same order. The gradients within float64 rounding: the chunked backward sums a
+    # tensor's gradient contributions chunk by chunk, in another order than one graph does
+    # (1e-12 relative; 1e-15 absolute for elements that cancel to about 0).
     assert torch.equal(la, lb)
     assert ga.keys() == gb.keys() and len(ga) > 10
     for key in ga:
@@ -243,6 +249,8 @@ def _pair_case(use_hook: bool, last: bool):
 
 @pytest.mark.parametrize("last", [False, True])
 def test_overlapped_pair_gives_bitwise_the_forward_then_the_backward(last: bool) -> None:
+    # bitwise: paired or not, each micro-batch runs the same chunks with the same gradients
+    # in the same order (graphpipe.models.overlap)
     out_p, grads_p, in_p, events = _pair_case(True, last)
     out_s, grads_s, in_s, _ = _pair_case(False, last)
     assert all(torch.equal(a, b) for a, b in zip(out_p, out_s, strict=True))
@@ -341,6 +349,10 @@ def test_one_rank_dualpipev_with_overlapped_pairs_matches_the_reference(factor: 
         s.events = log
     pipe = graphpipe.DualPipeV(stages, num_microbatches=m, loss_fn=LlamaLoss(False))
     loss = pipe.step(x, y)
+    # float64, other code paths than the reference loop (overlapped pairs, deferred weight
+    # GEMMs accumulated into .grad): equal up to rounding. The loss, a sum of positive terms,
+    # to 1e-13 relative (about 900x float64's unit roundoff); each gradient to 1e-10 relative
+    # and 1e-14 absolute (elements that cancel to about 0).
     torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
     grads = _grads(stages)
     assert grads.keys() == ref_grads.keys()
@@ -371,6 +383,7 @@ def test_one_rank_static_replay_is_bitwise_equal_to_eager() -> None:
         pipe.close()
         runs.append((losses, drops, [p.detach().clone() for s in stages for p in s.parameters()]))
     (le, de, pe), (lc, dc, pc) = runs
+    # bitwise: the static replay runs the eager program's kernels in the same order
     assert all(torch.equal(a, b) for a, b in zip(le, lc, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(de, dc, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(pe, pc, strict=True))

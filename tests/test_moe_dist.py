@@ -201,6 +201,7 @@ def _twin_case(mesh, factor: float) -> list[str]:
         pipe.close()
         runs.append(record)
     problems = []
+    # bitwise: the static replay runs the eager program's kernels in the same order
     for step, ((le, de, ge), (lc, dc, gc)) in enumerate(zip(*runs)):
         if not torch.equal(le, lc):
             problems.append(f"step {step}: loss {le.item()!r} != {lc.item()!r}")
@@ -274,6 +275,10 @@ def _reference(factor: float, pieces: list[tuple[torch.Tensor, torch.Tensor]], n
 
 
 def _compare(result: dict, ref_loss, ref_grads, ref_dropped, ep: int) -> set:
+    # float64 over ranks against one process: the losses averaged and the gradients reduced
+    # over other groupings (all-to-alls, DP all-reduces, micro-batches) are equal up to
+    # rounding: the loss to 1e-12 relative, each gradient to 1e-10 relative and 1e-14
+    # absolute (elements that cancel to about 0). The dropped-token counts are integers.
     torch.testing.assert_close(result["loss"], ref_loss, rtol=1e-12, atol=0)
     assert torch.equal(result["dropped"], ref_dropped)
     for key, (g, first) in result["grads"].items():
@@ -332,6 +337,7 @@ def test_pp2_dp2_ep2_clipping_counts_every_expert_once(results) -> None:
     clipped = {k: g * scale for k, g in grads.items()}
     for res in results:
         case = res["clipped"]
+        # float64 norm over another grouping of the same squares: rounding, 1e-12 relative
         torch.testing.assert_close(case["norm"], norm, rtol=1e-12, atol=0)
         _compare(case, loss, clipped, dropped, ep=EP)
 

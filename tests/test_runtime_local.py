@@ -83,6 +83,9 @@ def test_large_linears_accumulate_every_weight_grad_fused_and_match_the_referenc
     loss = pipe.step(x, y)
     assert len(calls) == sum(pipe.num_deferrable) * m  # every Linear, every micro-batch
     ref_loss, ref_grads, _ = reference(stages, x, y)
+    # float64, the pipeline against the reference loop: other summation orders (deferred
+    # weight GEMMs, micro-batch losses averaged), equal up to rounding: 1e-12 relative, and
+    # 1e-14 absolute for gradient elements that cancel to about 0
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for i, s in enumerate(run):
         for name, p in s.named_parameters():
@@ -114,6 +117,7 @@ def test_an_overlap_hook_is_called_for_every_F_and_B_pair_and_gives_the_same_gra
     pairs = [a for a in pipe.schedule[0] if a.op is Op.OVERLAP_F_B]
     assert len(HookedBlock.calls) == len(pairs) > 0
     ref_loss, ref_grads, _ = reference(stages, x, y)
+    # float64 against the reference loop, other summation orders: see the test above
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for i, s in enumerate(hooked):
         for name, p in s.named_parameters():
@@ -146,7 +150,7 @@ def test_grad_scaler_scales_the_backward_and_unscale_restores_the_grads():
     torch.testing.assert_close(params[0].grad, ref[0].grad * 1024.0)
     opt = torch.optim.SGD(params, lr=0.0)
     scaled.unscale_(scaler, opt)
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref):  # float64 pipeline vs reference (scaling by 2**10 is exact)
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-12, atol=1e-15)
     scaler.step(opt)
     scaler.update()
@@ -160,6 +164,7 @@ def test_forward_returns_the_concatenated_outputs_without_autograd_state():
     h = x
     for s in build_stages(2, tuple_io=True):
         h = s(*h) if isinstance(h, tuple) else s(h)
+    # float64, micro-batch GEMMs against whole-batch ones (other shapes, other kernels)
     torch.testing.assert_close(out, h.detach(), rtol=1e-12, atol=1e-14)
     assert not out.requires_grad
     assert all(v is None for row in pipe.runner.outputs for v in row)
@@ -218,7 +223,7 @@ def test_a_step_that_fails_inside_an_action_leaves_the_pipeline_usable(monkeypat
     monkeypatch.setattr(WeightGradStore, "run", real)
     for m in pipe.modules:
         m.zero_grad()
-    assert torch.equal(pipe.step(x, y), ref)
+    assert torch.equal(pipe.step(x, y), ref)  # bitwise: the same program on the same inputs
 
 
 def test_the_memory_report_names_every_kind_after_the_warmup_step():

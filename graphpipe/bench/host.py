@@ -54,7 +54,7 @@ def _one_rank(device: torch.device, group: Any, steps: int, warmup: int, m: int)
     loss_fn = w.loss_fn()
     x, y = w.batch(device)
     xs, ys = list(x.chunk(w.microbatches)), list(y.chunk(w.microbatches))
-    modes, _ = build_modes(w, 0, 1, device, group, only=(MODE_EAGER, MODE_TORCH))
+    modes, skipped = build_modes(w, 0, 1, device, group, only=(MODE_EAGER, MODE_TORCH))
     deferrable = w.local_stages(0, 1, device)
     for stage in deferrable:
         make_deferrable(stage, WeightGradStore())
@@ -78,7 +78,11 @@ def _one_rank(device: torch.device, group: Any, steps: int, warmup: int, m: int)
         "executor_overhead_per_action_s": (med[MODE_EAGER] - bare_def) / cells,
         "graphpipe_overhead_per_action_s": (med[MODE_EAGER] - bare) / cells,
         "wsplit_linear_overhead_per_action_s": (bare_def - bare) / cells,
-        "torch_overhead_per_action_s": (med[MODE_TORCH] - bare) / cells,
+        # None where torch's schedule could not run here (``skipped`` says why)
+        "torch_overhead_per_action_s": (
+            (med[MODE_TORCH] - bare) / cells if MODE_TORCH in med else None
+        ),
+        "skipped": skipped,
     }
 
 

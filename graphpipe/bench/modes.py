@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .workloads import Workload
@@ -18,8 +19,10 @@ __all__ = [
     "MODE_EAGER",
     "MODE_REPLAY",
     "MODE_TORCH",
+    "TORCH_ON_GLOO_MIN",
     "Mode",
     "build_modes",
+    "torch_schedule_unavailable",
 ]
 
 MODE_EAGER = "graphpipe eager"
@@ -98,6 +101,31 @@ def _torch_mode(
     return Mode(MODE_TORCH, stages, step)
 
 
+# torch's ScheduleDualPipeV warms up its P2P at the first step: before 2.12 every stage sends
+# one element to its neighbour stages (``_get_init_p2p_neighbors_ops``), also where the
+# neighbour is on the same rank (stages 1 and 2 of a two-rank V, stages 0 and 1 of a one-rank
+# one), and gloo has no pair from a rank to itself ("Pair is not connected"); from 2.12 a
+# PipelineStage warms up through a vote that hands same-rank neighbours the value directly.
+TORCH_ON_GLOO_MIN = (2, 12)
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def torch_schedule_unavailable(backend: str, version: str = torch.__version__) -> str | None:
+    """Why torch's ``ScheduleDualPipeV`` cannot run on ``backend`` with torch ``version``, or
+    None when it can."""
+    if backend == "gloo" and _version(version) < TORCH_ON_GLOO_MIN:
+        want = ".".join(map(str, TORCH_ON_GLOO_MIN))
+        return (
+            f"torch < {want} cannot run ScheduleDualPipeV on gloo (torch {version}: its "
+            "start-up sends from a rank to itself, which gloo refuses)"
+        )
+    return None
+
+
 def _dualpipe_mode(stages: tuple[nn.Module, ...], w: Workload, rank: int, group: Any) -> Mode:
     """DeepSeek's DualPipeV (``import dualpipe``); its P2P buffers are CUDA tensors."""
     import dualpipe
@@ -149,6 +177,9 @@ def build_modes(
     skipped: dict[str, str] = {}
     if MODE_DUALPIPE in only and (why := _dualpipe_unavailable(device)) is not None:
         skipped[MODE_DUALPIPE] = why
+    backend = dist.get_backend(group)
+    if MODE_TORCH in only and (why := torch_schedule_unavailable(backend)) is not None:
+        skipped[MODE_TORCH] = why
     make: dict[str, Callable[[tuple[nn.Module, ...]], Mode]] = {
         MODE_EAGER: lambda s: _graphpipe_mode(MODE_EAGER, s, w, group),
         MODE_REPLAY: lambda s: _graphpipe_mode(MODE_REPLAY, s, w, group, capture=True),

@@ -90,13 +90,16 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"one-rank pipeline, {one['compute_cells']} cells, no P2P (medians):")
         for name, t in one["median_s"].items():
             lines.append(f"  {name:<30} {t * 1e3:>8.3f} ms per step")
+        torch_per = one["torch_overhead_per_action_s"]
         lines.append(
             f"  per action over the nn.Linear bare loop: graphpipe "
             f"{one['graphpipe_overhead_per_action_s'] * 1e6:.1f} us (interpreter "
             f"{one['executor_overhead_per_action_s'] * 1e6:.1f} us + DeferrableLinear "
             f"{one['wsplit_linear_overhead_per_action_s'] * 1e6:.1f} us), torch schedule "
-            f"{one['torch_overhead_per_action_s'] * 1e6:.1f} us"
+            + (f"{torch_per * 1e6:.1f} us" if torch_per is not None else "not run")
         )
+        for name, why in one.get("skipped", {}).items():
+            lines.append(f"  {name:<30} skipped: {why}")
     for name, why in result.get("skipped_regimes", {}).items():
         lines.append(f"regime {name} skipped: {why}")
     return "\n".join(lines)

@@ -5,6 +5,9 @@ on *before* ``graphpipe.kernels`` defines its kernels: hence the ``setdefault`` 
 import time of this conftest (pytest imports it before the test modules of this folder).
 If something earlier in the session already imported ``graphpipe.kernels`` without it,
 the ``triton_path`` fixture skips the Triton tests with a message saying so.
+``triton_loop_path`` is ``triton_path`` for the ops whose kernels loop over a run-time bound
+(RMSNorm, cross-entropy): on CPU it also skips where Triton's interpreter cannot run such a
+loop (Triton < 3.7 with numpy >= 2.4; ``graphpipe.kernels._dispatch.interpreter_problem``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from graphpipe.kernels._dispatch import interpreter_ready
+from graphpipe.kernels._dispatch import interpreter_problem, interpreter_ready
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -38,3 +41,11 @@ def triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
             "TRITON_INTERPRET=1 in the environment"
         )
     monkeypatch.setenv("GRAPHPIPE_KERNELS", "triton")
+
+
+@pytest.fixture
+def triton_loop_path(triton_path: None) -> None:
+    """``triton_path`` for kernels that loop over a run-time bound; on CPU, skipped where
+    the interpreter cannot run that loop (the reason names the versions)."""
+    if DEVICE.type != "cuda" and (why := interpreter_problem()) is not None:
+        pytest.skip(why)

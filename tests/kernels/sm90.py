@@ -11,7 +11,9 @@ own code. ``specialize`` then turns each launch into the signature, constexprs a
 ``tt.divisibility`` attributes the JIT would derive from those arguments, with Triton's own
 per-argument specializer (``native_specialize_impl``, the function ``JITFunction.run`` calls):
 a pointer or integer divisible by 16 gets the divisibility hint, an integer equal to 1 becomes
-a constexpr.
+a constexpr. The installed Triton's ``_pack_args`` packs that into what ``triton.compile``
+takes, so its version's conventions hold (3.6 gives constexprs no attribute entry, 3.9 an empty
+one), and ``jit_binder_agrees`` checks the whole derivation against Triton's generated binder.
 
 It must run in a process where ``TRITON_INTERPRET`` is unset when triton is imported: under the
 interpreter, triton.language's own ``@jit`` helpers (``tl.sum``, ...) are defined as
@@ -137,6 +139,9 @@ class Specialized:
     constexprs: dict[tuple[int, ...], Any]
     attrs: dict[tuple[int, ...], list]
     options: dict[str, Any]
+    # Per parameter, the (type, key) pair the JIT's binder computes: ("constexpr", value),
+    # ("*fp32", "D"), ("i32", "") ...; ``pack`` turns it into the three dicts above.
+    specialization: tuple[tuple[Any, ...], ...] = ()
 
     def key(self) -> str:
         """Identifies the compiled binary: equal keys compile to the same cubin."""
@@ -148,9 +153,36 @@ class Specialized:
         return f"{self.fn.__name__}{consts} {self.options} {','.join(ptrs)}"
 
 
+def pack(
+    fn: Any, backend: Any, kwargs: dict[str, Any], bound: dict[str, Any], specialization: list
+) -> tuple[dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], list]]:
+    """Signature, constexprs and attributes from the per-parameter specialization, packed by
+    the installed Triton's own ``JITFunction._pack_args`` (what ``JITFunction.run`` calls), so
+    that its conventions hold whatever its version: Triton 3.9 gives every constexpr an empty
+    attribute entry, 3.6 gives constexprs none. Where that private method is missing or takes
+    other arguments, the 3.9 convention is applied here."""
+    packer = getattr(fn, "_pack_args", None)
+    if packer is not None:
+        try:
+            _, signature, constexprs, attrs = packer(backend, kwargs, bound, specialization, None)
+            return signature, constexprs, attrs
+        except TypeError:  # pragma: no cover - another Triton's private signature
+            pass
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (p, (ty, spec)) in enumerate(zip(fn.params, specialization)):
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = bound[p.name]
+            attrs[(i,)] = backend.parse_attr("")
+        elif isinstance(spec, str):  # "D" (divisible by 16) or "" (no hint); floats: None
+            attrs[(i,)] = backend.parse_attr(spec)
+    return signature, constexprs, attrs
+
+
 def specialize(launch: Launch, arch: int = SM90[0], warp_size: int = SM90[1]) -> Specialized:
     """Signature, constexprs, divisibility attributes and options for ``launch``, as
-    ``JITFunction.run`` derives them on a device of compute capability ``arch``."""
+    ``JITFunction.run`` derives them on a device of compute capability ``arch``: the
+    per-parameter specialization computed here with Triton's specializer, then ``pack``."""
     fn = launch.kernel
     backend = make_backend(GPUTarget("cuda", arch, warp_size))
     names = [p.name for p in fn.params]
@@ -159,29 +191,27 @@ def specialize(launch: Launch, arch: int = SM90[0], warp_size: int = SM90[1]) ->
     )
     bound.apply_defaults()
     options = {k: v for k, v in launch.kwargs.items() if k not in names}
-    signature: dict[str, str] = {}
-    constexprs: dict[tuple[int, ...], Any] = {}
-    attrs: dict[tuple[int, ...], list] = {}
-    for i, p in enumerate(fn.params):
+    specialization: list[tuple[Any, ...]] = []
+    for p in fn.params:
         value = bound.arguments[p.name]
         if p.is_constexpr:
-            ty, spec = "constexpr", value
-        else:
+            specialization.append(("constexpr", value))
+        else:  # an integer equal to 1 comes back as ("constexpr", 1)
             specialize, align = not p.do_not_specialize, not p.do_not_specialize_on_alignment
-            ty, spec = native_specialize_impl(backend, value, p.is_const, specialize, align)
-        signature[p.name] = ty
-        if ty == "constexpr":  # declared constexpr, or an integer equal to 1
-            constexprs[(i,)] = spec
-            attrs[(i,)] = backend.parse_attr("")  # the JIT lists constexprs with no hint
-        elif isinstance(spec, str):  # "D" (divisible by 16) or "" (no hint); floats: None
-            attrs[(i,)] = backend.parse_attr(spec)
-    return Specialized(fn, signature, constexprs, attrs, options)
+            specialization.append(
+                native_specialize_impl(backend, value, p.is_const, specialize, align)
+            )
+    signature, constexprs, attrs = pack(
+        fn, backend, launch.kwargs, dict(bound.arguments), specialization
+    )
+    return Specialized(fn, signature, constexprs, attrs, options, tuple(specialization))
 
 
 def jit_binder_agrees(launch: Launch, spec: Specialized) -> bool | None:
     """Whether Triton's own JIT binder (``JITFunction.run``'s path: the generated binder and
-    ``_pack_args``) derives the same signature, constexprs and attributes for ``launch``;
-    None where this Triton's private binder API differs (checked on Triton 3.9)."""
+    ``_pack_args``) derives the same per-parameter specialization, signature, constexprs and
+    attributes for ``launch``; None where this Triton's private binder API differs (it is
+    there on Triton 3.6 and 3.9)."""
     try:
         from triton.runtime.jit import create_function_from_signature
 
@@ -194,7 +224,9 @@ def jit_binder_agrees(launch: Launch, spec: Specialized) -> bool | None:
         )
     except (ImportError, AttributeError, TypeError, ValueError):  # pragma: no cover
         return None
-    return (signature, constexprs, attrs) == (spec.signature, spec.constexprs, spec.attrs)
+    same_specialization = tuple(tuple(s) for s in specialization) == spec.specialization
+    packed = (signature, constexprs, attrs) == (spec.signature, spec.constexprs, spec.attrs)
+    return same_specialization and packed
 
 
 def compile_sm90(spec: Specialized) -> Any:

@@ -31,7 +31,7 @@ def _inputs(rows, vocab, dtype, device, seed, n_ignored=1, scale=4.0):
     return logits.requires_grad_(), target.to(device)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 @pytest.mark.parametrize(("rows", "vocab", "block_size"), CASES, ids=str)
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
 def test_cross_entropy_matches_torch(rows, vocab, block_size, dtype, atol, rtol, device):
@@ -51,7 +51,7 @@ def test_cross_entropy_matches_torch(rows, vocab, block_size, dtype, atol, rtol,
     assert torch.count_nonzero(grad[target == -100]) == 0  # ignored rows: zero gradient
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_cross_entropy_extreme_and_masked_logits(device):
     """Huge logits (overflow without the running max) and -inf masked vocab entries."""
     logits, target = _inputs(4, 129, torch.float32, device, seed=7, n_ignored=0, scale=1e4)
@@ -70,7 +70,7 @@ def test_cross_entropy_extreme_and_masked_logits(device):
     torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_cross_entropy_all_ignored_is_nan_like_torch(device):
     logits, target = _inputs(3, 37, torch.float32, device, seed=8)
     target = torch.full_like(target, -100)
@@ -80,7 +80,7 @@ def test_cross_entropy_all_ignored_is_nan_like_torch(device):
     assert torch.count_nonzero(grad) == 0  # torch's gradient here is all zeros too
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_cross_entropy_custom_ignore_index_and_int32_target(device):
     logits, target = _inputs(6, 37, torch.float32, device, seed=9, n_ignored=0)
     target[1] = 5
@@ -108,7 +108,7 @@ class _LargeAllocations(TorchDispatchMode):
         return out
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_cross_entropy_backward_allocates_one_logits_sized_buffer(device, monkeypatch):
     """The gradient autograd hands back is the one buffer the kernel wrote, and the only
     [rows, vocab] allocation of the backward."""

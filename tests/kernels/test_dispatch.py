@@ -12,8 +12,13 @@ import pytest
 import torch
 
 import graphpipe.kernels as kernels
-from graphpipe.kernels import cross_entropy, rms_norm, rms_norm_residual, swiglu
-from graphpipe.kernels._dispatch import interpreter_ready, kernel_mode, use_triton
+from graphpipe.kernels import _dispatch, cross_entropy, rms_norm, rms_norm_residual, swiglu
+from graphpipe.kernels._dispatch import (
+    interpreter_problem,
+    interpreter_ready,
+    kernel_mode,
+    use_triton,
+)
 
 
 def _ops(device):
@@ -71,9 +76,49 @@ def test_forced_torch_uses_reference(monkeypatch, device):
     assert not set(names) & set(TRITON_NAMES), names
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")  # _ops calls RMSNorm and cross-entropy too
 def test_forced_triton_uses_kernels(device):
     assert _ops(device) == TRITON_NAMES
+
+
+@pytest.mark.parametrize(
+    ("triton_version", "numpy_version", "broken"),
+    [
+        ("3.6.0", "2.5.2", True),  # the lent GPU machine's image
+        ("3.6.0", "2.4.0", True),
+        ("3.5.1", "2.4.6", True),
+        ("3.6.0", "2.3.5", False),  # numpy 2.3 only warns (DeprecationWarning)
+        ("3.7.0", "2.5.2", False),  # Triton 3.7 squeezes the array before int()
+        ("3.9.0", "2.4.6", False),
+        ("3.10.0+git1234", "2.10.0rc1", False),
+    ],
+)
+def test_interpreter_problem_is_triton_before_3_7_with_numpy_from_2_4(
+    triton_version, numpy_version, broken
+):
+    why = interpreter_problem(triton_version, numpy_version)
+    assert (why is not None) == broken
+    if broken:
+        assert triton_version in why and numpy_version in why and "numpy < 2.4" in why
+
+
+@pytest.mark.usefixtures("triton_path")
+def test_forced_triton_on_cpu_names_the_interpreter_problem(monkeypatch):
+    """Where the interpreter cannot run a loop over a run-time bound, forcing Triton on CPU
+    raises naming the versions for RMSNorm and cross-entropy, before any kernel starts;
+    SwiGLU (no such loop) still runs."""
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the compiled kernels run: the interpreter is not involved")
+    reason = interpreter_problem("3.6.0", "2.5.2")
+    monkeypatch.setattr(_dispatch, "interpreter_problem", lambda: reason)
+    x = torch.randn(2, 37, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"Triton 3\.6\.0's interpreter .* numpy 2\.5\.2"):
+        rms_norm(x, torch.ones(37))
+    with pytest.raises(RuntimeError, match=r"numpy < 2\.4 or Triton >= 3\.7"):
+        rms_norm_residual(x, x, torch.ones(37))
+    with pytest.raises(RuntimeError, match="GRAPHPIPE_KERNELS=torch"):
+        cross_entropy(x, torch.tensor([1, -100]))
+    assert type(swiglu(x, x).grad_fn).__name__ == "_SwiGLUFnBackward"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -45,7 +45,7 @@ def _close(actual, expected, atol, rtol):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
 def test_rms_norm_matches_reference(shape, dtype, atol, rtol, device):
@@ -65,7 +65,7 @@ def test_rms_norm_matches_reference(shape, dtype, atol, rtol, device):
     _close(dw, dw_ref, atol * 4, rtol)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_rms_norm_bf16_input_fp32_weight(device):
     x = _leaf((4, 37), torch.bfloat16, device, 3)
     w = _leaf((37,), torch.float32, device, 4)
@@ -79,7 +79,7 @@ def test_rms_norm_bf16_input_fp32_weight(device):
     _close(dw, dw_ref, 5e-2, 2e-2)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
 def test_rms_norm_residual_matches_reference(shape, dtype, atol, rtol, device):
@@ -102,7 +102,7 @@ def test_rms_norm_residual_matches_reference(shape, dtype, atol, rtol, device):
     _close(grads[2], grads_ref[2], atol * 4, rtol)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 @pytest.mark.parametrize("used", ["normed", "new_residual"])
 def test_rms_norm_residual_one_output_used(used, device):
     """Only one output reaches the loss: the other's gradient is None, not zeros."""
@@ -121,7 +121,7 @@ def test_rms_norm_residual_one_output_used(used, device):
             _close(g, g_ref, 1e-5, 1e-5)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_rms_norm_residual_fp32_residual_stream(device):
     """bf16 branch output added to a float32 residual stream keeps the stream float32."""
     x = _leaf((2, 3, 37), torch.bfloat16, device, 13)
@@ -140,7 +140,7 @@ def test_rms_norm_residual_fp32_residual_stream(device):
     _close(dres, dres_ref, 1e-4, 1e-4)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 def test_rms_norm_non_contiguous_input(device):
     base = _leaf((37, 6), torch.float32, device, 16)
     x = base.t()  # [6, 37] with column stride 6
@@ -169,7 +169,7 @@ def _small_looped(n_cols: int):
     return rms_norm_config(n_cols, max_fused_width=8, looped_block=16)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 @pytest.mark.parametrize("shape", [(1, 37), (5, 129), (7, 64), (3, 17)], ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
@@ -201,7 +201,7 @@ def test_looped_path_matches_reference(shape, residual, dtype, atol, rtol, devic
     _close(dw, dw_ref, atol * 4, rtol)
 
 
-@pytest.mark.usefixtures("triton_path")
+@pytest.mark.usefixtures("triton_loop_path")
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
 def test_rows_wider_than_the_fused_cap_take_the_looped_path(dtype, atol, rtol, device):
     """Through the public ops and autograd, at the smallest default looped width plus an
