@@ -140,7 +140,7 @@ CASES = [
     dict(schedule="dualpipev", m=4, attn="eager", tied=True),
     dict(schedule="dualpipev", m=4, attn="sdpa", tied=False, capture=True, ckpt=True, steps=3),
     # 2 stages on 2 ranks; the tied weight has a copy on each rank
-    dict(schedule="1f1b", m=2, attn="eager", tied=True, ckpt=True, capture=True, steps=2),
+    dict(schedule="1f1b", m=2, attn="eager", tied=True, ckpt=True, capture=True, steps=3),
     dict(schedule="1f1b", m=4, attn="sdpa", tied=True),
 ]
 
@@ -205,6 +205,27 @@ def test_mistral_and_qwen2_with_sliding_windows_train_in_one_process(kind, extra
     assert set(grads) == set(ref_grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=name)
+
+
+def test_loss_reduction_mean_averages_hfs_loss_of_each_micro_batch() -> None:
+    cfg = config(attn="sdpa")
+    stages = split_hf_causal_lm(build(cfg), 2)
+    pipe = graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=causal_lm_loss)
+    d = batch()
+    loss = pipe.step(d["ids"], d["labels"], attention_mask=d["mask"])
+    model = build(cfg)
+    losses = [
+        model(i, attention_mask=m, labels=y).loss / 2
+        for i, m, y in zip(d["ids"].chunk(2), d["mask"].chunk(2), d["labels"].chunk(2))
+    ]
+    sum(losses).backward()
+    ref = model.state_dict(keep_vars=True)
+    # The same micro-batches through the same kernels, but the grads of the two summed in
+    # another order (HF's autograd adds them, the pipeline accumulates micro-batch by
+    # micro-batch): equal to float64 rounding.
+    torch.testing.assert_close(loss.float(), sum(losses).detach(), **LOSS_TOL)
+    for name, g in stage_grads(stages).items():
+        torch.testing.assert_close(g, ref[name].grad, **GRAD_TOL, msg=name)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -294,7 +315,8 @@ def test_a_trained_pipeline_exports_into_the_hf_model_and_save_pretrained(tmp_pa
     model.eval()
     with torch.no_grad():
         # The pipeline ran the 4 micro-batches one by one through these modules with the same
-        # mask values: so does this, and the logits are the same bits.
+        # mask values (each micro-batch has padding, so HF's sdpa gets a mask too): so does
+        # this, and the logits are the same bits.
         chunks = zip(d["ids"].chunk(4), d["mask"].chunk(4))
         logits = torch.cat([model(i, attention_mask=m).logits for i, m in chunks])
         assert torch.equal(logits, expected)
@@ -321,6 +343,9 @@ def test_splits_that_cannot_apply_are_refused_naming_why() -> None:
     with pytest.raises(ValueError, match=r"config\.model_type='gemma' \(LlamaForCausalLM\)"):
         split_hf_causal_lm(model, 2)
     model.config.model_type = "llama"
+    flex = build(config(attn="flex_attention"))
+    with pytest.raises(ValueError, match=r"'eager' or 'sdpa', got 'flex_attention'"):
+        split_hf_causal_lm(flex, 2)
     enable = getattr(model, "activation_checkpointing_enable", None)
     (enable or model.gradient_checkpointing_enable)()
     with pytest.raises(ValueError, match=r"HF gradient checkpointing is on \(layers \[0, 1, 2, 3"):
