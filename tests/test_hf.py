@@ -233,6 +233,10 @@ def test_stages_build_hfs_masks_for_padding_and_packed_position_ids(attn) -> Non
     model = build(config(attn=attn))
     stages = split_hf_causal_lm(model, 3)  # layers 1, 2, 1
     assert [len(s.layers) for s in stages] == [1, 2, 1]
+    # the model's own parameters, no copies (the tied head's weight is the embedding's)
+    held = [p for s in stages for p in s.parameters()]
+    assert {id(p) for p in held} == {id(p) for p in model.parameters()}
+    assert len(held) == len(list(model.parameters())) + 1
     d = batch()
     packed = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]).repeat(BATCH, 1)  # two sequences per row
     calls = [
