@@ -324,3 +324,20 @@ def test_adamw_reduces_loss_on_stdlib_text() -> None:
     # Measured: ~5.3 -> ~2.9 nats on held-out text; demand a robust 1 nat.
     assert before > 5.0
     assert before - after > 1.0, (before, after)
+
+
+def test_graphpipe_models_and_its_hf_helpers_work_without_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['transformers'] = None  # importing it now fails\n"
+        "import torch, graphpipe, graphpipe.models\n"
+        "from graphpipe.models import causal_lm_loss, causal_lm_num_items, split_hf_causal_lm\n"
+        "labels = torch.tensor([[1, 2, -100]])\n"
+        "n = causal_lm_num_items(labels)\n"
+        "assert n.tolist() == [1], n\n"
+        "loss = causal_lm_loss(torch.zeros(1, 3, 4), labels, num_items_in_batch=n)\n"
+        "assert abs(float(loss) - float(torch.log(torch.tensor(4.0)))) < 1e-6, loss\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

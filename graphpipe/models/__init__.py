@@ -1,5 +1,9 @@
-"""Models that split into pipeline stages for graphpipe."""
+"""Models that split into pipeline stages for graphpipe.
 
+``split_hf_causal_lm``, ``causal_lm_loss`` and ``causal_lm_num_items`` (``graphpipe.models.hf``)
+work on Hugging Face models without importing transformers themselves."""
+
+from graphpipe.models.hf import causal_lm_loss, causal_lm_num_items, split_hf_causal_lm
 from graphpipe.models.llama import (
     LlamaBlock,
     LlamaConfig,
@@ -43,6 +47,8 @@ __all__ = [
     "RMSNorm",
     "build_model",
     "build_stages",
+    "causal_lm_loss",
+    "causal_lm_num_items",
     "dropped_tokens",
     "expert_layout",
     "expert_parallel_groups",
@@ -53,5 +59,6 @@ __all__ = [
     "llama_loss",
     "num_parameters",
     "reset_dropped_tokens",
+    "split_hf_causal_lm",
     "unique_parameters",
 ]

@@ -1,0 +1,420 @@
+"""Hugging Face causal LMs split into pipeline stages, and HF's causal-LM loss.
+
+``split_hf_causal_lm(model, num_stages)`` cuts a transformers ``LlamaForCausalLM`` (or a
+Mistral, Qwen2 or Qwen3 one: the same layout, ``model.model.embed_tokens``, ``.layers``,
+``.norm``, ``.rotary_emb`` and ``model.lm_head``, and the same decoder-layer call) into
+``HFCausalLMStage`` modules by decoder layer:
+
+* stage 0 takes int64 ``input_ids`` ``[B, T]`` and returns hidden states ``[B, T, H]``;
+* middle stages map hidden states to hidden states;
+* the last stage returns logits ``[B, T, V]`` (the final norm and the head).
+
+What HF's top model computes once per forward (position ids, rotary embeddings, the causal
+mask) every stage computes for itself, from the shape of its input and the keyword tensors
+``attention_mask`` and ``position_ids``, which the pipeline hands every stage (they are given
+on every rank and never cross a stage edge). The mask is built with tensor ops only, exactly
+the values HF's ``masking_utils`` builds for eager (0 / ``finfo(dtype).min``, additive) and
+sdpa (bool) attention, but without its host-side shortcuts: HF skips the sdpa mask when no
+token is padded (``fast_all(padding_mask)``, a device-to-host read) and looks for packed
+sequences with a Python branch on tensor values, both of which a captured step cannot do.
+So with an ``attention_mask`` the sdpa stages always pass the mask (HF passes none when
+nothing is padded: the same attention, through another kernel).
+
+``causal_lm_loss`` is HF's ``ForCausalLMLoss`` (labels shifted left, ``ignore_index=-100``,
+logits upcast with ``.float()``), as a ``loss_fn`` for either ``loss_reduction``; with
+``num_items_in_batch`` (``causal_lm_num_items``) it is the token-weighted loss whose sum over
+micro-batches and replicas is HF's mean over the whole batch's valid tokens.
+
+transformers is not imported here: the stages call the model's own modules, and everything
+else is read off the model's attributes and config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphpipe.keymap import set_unsplit_keys
+from graphpipe.models.llama import layers_per_stage
+from graphpipe.roles import mark_tied
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "HFCausalLMStage",
+    "causal_lm_loss",
+    "causal_lm_num_items",
+    "split_hf_causal_lm",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""``config.model_type`` of the models whose decoder stack ``HFCausalLMStage`` reproduces
+(other models with the same module names may scale the embedding or norm differently)."""
+
+_ATTENTION = ("eager", "sdpa")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_TIE_NAME = "hf.lm_head.weight=model.embed_tokens.weight"
+_LAYOUT = (
+    ("model", None),
+    ("model.embed_tokens", nn.Embedding),
+    ("model.layers", nn.ModuleList),
+    ("model.norm", nn.Module),
+    ("model.rotary_emb", nn.Module),
+    ("lm_head", nn.Linear),
+)
+
+
+def _attr(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _check_layout(model: nn.Module) -> None:
+    """The modules the stages are made of: ``ValueError`` naming the missing ones."""
+    name = type(model).__name__
+    missing = []
+    for path, kind in _LAYOUT:
+        value = _attr(model, path)
+        if value is None or (kind is not None and not isinstance(value, kind)):
+            got = "missing" if value is None else type(value).__name__
+            want = f" ({kind.__name__})" if kind is not None else ""
+            missing.append(f"{path}{want}: {got}")
+    if missing:
+        children = ", ".join(n for n, _ in model.named_children()) or "none"
+        raise ValueError(
+            f"split_hf_causal_lm: {name} does not have the layout of a LlamaForCausalLM: "
+            f"{'; '.join(missing)} (its children: {children})"
+        )
+
+
+def _layer_types(config: Any, n_layers: int) -> list[str]:
+    """Each decoder layer's attention kind, as the HF model picks its mask: ``layer_types``
+    (Qwen2/3), else every layer sliding when ``sliding_window`` is set (Mistral), else full."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        window = getattr(config, "sliding_window", None)
+        types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    types = list(types)[:n_layers]
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown:
+        raise ValueError(
+            f"split_hf_causal_lm: layer types {unknown} are not supported (only {_LAYER_TYPES})"
+        )
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"split_hf_causal_lm: sliding-attention layers need config.sliding_window, a "
+            f"positive int, got {window!r}"
+        )
+    return types
+
+
+def _check_attention(config: Any) -> str:
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in _ATTENTION:
+        raise ValueError(
+            f"HFCausalLMStage supports attn_implementation 'eager' or 'sdpa', got {impl!r}"
+        )
+    return impl
+
+
+def _causal_allowed(
+    batch: int,
+    seq: int,
+    device: torch.device,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Which keys each query sees, ``[B, 1, T, T]`` bool, as HF's ``create_causal_mask`` (or
+    ``create_sliding_window_causal_mask`` with ``window``) decides without a cache.
+
+    With an ``attention_mask``: causal (and in the window) and the key not padded. Without
+    one, HF looks for packed sequences in the position ids (a new sequence wherever the
+    position does not go up by one) and keeps each query within its own sequence, comparing
+    positions; for unpacked rows (positions ``arange(T) + c``) that is the causal mask. Here
+    the packed form is always built: no branch on the values."""
+    if attention_mask is None and position_ids is not None:
+        pos = position_ids.expand(batch, -1)
+        start = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
+        sequence = start.cumsum(-1)
+        q, k = pos[:, :, None], pos[:, None, :]
+        allowed = (k <= q) & (sequence[:, :, None] == sequence[:, None, :])
+    else:
+        idx = torch.arange(seq, device=device)
+        q, k = idx[:, None], idx[None, :]
+        allowed = (k <= q)[None]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]
+    if window is not None:
+        allowed = allowed & (k > q - window)
+    return allowed.expand(batch, seq, seq)[:, None]
+
+
+class HFCausalLMStage(nn.Module):
+    """A slice of a Hugging Face causal LM: optional embedding, decoder layers, optional final
+    norm and head, sharing the model's modules (no copies).
+
+    ``forward(x, *, attention_mask=None, position_ids=None)``: ``input_ids`` ``[B, T]``
+    (first stage) or hidden states ``[B, T, H]`` in; hidden states or logits ``[B, T, V]``
+    out. ``attention_mask``: ``[B, T]``, 1 (or True) for a real token, 0 for padding, as a
+    tokenizer returns it; ``position_ids``: ``[B, T]`` int (default ``arange(T)``, what HF
+    uses when none are given). ``first_layer`` is the global index of ``layers[0]``.
+
+    checkpoint_layers: recompute each decoder layer in the backward
+        (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layers: list[nn.Module],
+        *,
+        first_layer: int,
+        layer_types: list[str],
+        rotary_emb: nn.Module,
+        embed_tokens: nn.Embedding | None = None,
+        norm: nn.Module | None = None,
+        lm_head: nn.Linear | None = None,
+        checkpoint_layers: bool = False,
+    ) -> None:
+        super().__init__()
+        if (norm is None) != (lm_head is None):
+            raise ValueError("the final norm and the head go together")
+        if len(layer_types) != len(layers):
+            raise ValueError(f"{len(layers)} layers but {len(layer_types)} layer types")
+        self.config = config
+        self.first_layer = first_layer
+        self.layer_types = tuple(layer_types)
+        self.checkpoint_layers = checkpoint_layers
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb = rotary_emb  # buffers only, none of them persistent
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage holds the embedding (takes ``input_ids``)."""
+        return self.embed_tokens is not None
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage holds the final norm and the head (returns logits)."""
+        return self.lm_head is not None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``input_ids`` or hidden states in; hidden states or logits out."""
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        batch, seq = hidden.shape[:2]
+        for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+            if t is not None and tuple(t.shape) != (batch, seq):
+                raise ValueError(
+                    f"{name} must have the shape [batch, seq] = {[batch, seq]} of the "
+                    f"micro-batch, got {list(t.shape)}"
+                )
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        cos_sin = self.rotary_emb(hidden, positions)
+        masks = self._masks(hidden, attention_mask, position_ids)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        for layer, kind in zip(self.layers, self.layer_types):
+            kw = dict(
+                attention_mask=masks[kind], position_ids=positions, position_embeddings=cos_sin
+            )
+            if recompute:
+                out = checkpoint(layer, hidden, use_reentrant=False, **kw)
+            else:
+                out = layer(hidden, **kw)
+            hidden = out[0] if isinstance(out, tuple) else out
+        if self.norm is not None and self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+    def _masks(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor | None]:
+        """The mask of each attention kind this stage's layers use, as the attention
+        implementation takes it: eager an additive float mask, sdpa a bool one, or None where
+        HF passes none (sdpa without a mask or position ids: its ``is_causal`` path)."""
+        impl = _check_attention(self.config)
+        batch, seq = hidden.shape[:2]
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in dict.fromkeys(self.layer_types):
+            window = self.config.sliding_window if kind == "sliding_attention" else None
+            plain = attention_mask is None and position_ids is None
+            if impl == "sdpa" and plain and (window is None or seq < window):
+                masks[kind] = None  # as HF: a shape decision, no value read
+                continue
+            allowed = _causal_allowed(
+                batch, seq, hidden.device, attention_mask, position_ids, window
+            )
+            if impl == "sdpa":
+                masks[kind] = allowed
+            else:
+                zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+                masks[kind] = torch.where(allowed, zero, torch.finfo(hidden.dtype).min)
+        return masks
+
+    def extra_repr(self) -> str:
+        last = self.first_layer + len(self.layers)
+        return f"layers {self.first_layer}..{last - 1}" if self.layers else "no layers"
+
+
+def split_hf_causal_lm(
+    model: nn.Module, num_stages: int, *, checkpoint_layers: bool = False
+) -> list[HFCausalLMStage]:
+    """Split a Hugging Face ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3) into ``num_stages``
+    ``HFCausalLMStage`` modules by decoder layer; they share the model's parameters.
+
+    The embedding goes to stage 0, the final norm and the head to the last stage, and the
+    decoder layers are spread as evenly as possible: every stage gets
+    ``num_layers // num_stages``, and the remaining ones go one each to the middle stages
+    first, then to stage 0, then to the last stage (the first and last stages also hold the
+    embedding and the head; ``graphpipe.models.layers_per_stage``).
+
+    Tied embeddings (``lm_head.weight`` is ``model.embed_tokens.weight``, as with
+    ``tie_word_embeddings``) stay one Parameter in the stages, and that Parameter is marked
+    with ``graphpipe.mark_tied``: on one rank (DualPipeV: stage 0 and the last stage) it is
+    simply shared, across ranks (1F1B) each rank's copy is kept equal. Each stage declares
+    its keys in the HF model (``model.layers.{i}``, ...; ``graphpipe.keymap``), so that
+    ``graphpipe.checkpoint.export_state_dict`` of a checkpoint loads into the HF model with
+    ``load_state_dict(strict=True)`` (then ``save_pretrained``).
+
+    checkpoint_layers: activation checkpointing per decoder layer (non-reentrant
+        ``torch.utils.checkpoint``; works with the pipeline's split backward). Leave HF's
+        own ``gradient_checkpointing_enable()`` off: it is refused here.
+
+    Raises ``ValueError`` naming what does not fit: a model without that layout (naming the
+    missing modules), another ``config.model_type``, an attention implementation other than
+    ``"eager"`` or ``"sdpa"``, attention kinds other than full and sliding-window,
+    ``num_stages`` not in ``1..num_layers``, or HF's gradient checkpointing switched on.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"split_hf_causal_lm takes an nn.Module, got {type(model).__name__}")
+    _check_layout(model)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"split_hf_causal_lm: config.model_type={model_type!r} ({type(model).__name__}) "
+            f"is not one whose decoder stack the stages reproduce: {SUPPORTED_MODEL_TYPES}"
+        )
+    if getattr(config, "is_causal", True) is False:
+        raise ValueError("split_hf_causal_lm: config.is_causal=False (bidirectional attention)")
+    _check_attention(config)
+    inner = model.model
+    n_layers = getattr(config, "num_hidden_layers", len(inner.layers))
+    layers = list(inner.layers)[:n_layers]
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got num_stages={num_stages!r}")
+    if num_stages > len(layers):
+        raise ValueError(
+            f"split_hf_causal_lm: num_stages={num_stages} is more than the model's "
+            f"{len(layers)} decoder layers (every stage gets at least one)"
+        )
+    on = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
+    if on:
+        raise ValueError(
+            f"split_hf_causal_lm: HF gradient checkpointing is on (layers {on}); call "
+            "model.gradient_checkpointing_disable() and pass checkpoint_layers=True instead"
+        )
+    types = _layer_types(config, len(layers))
+    embed, head = inner.embed_tokens, model.lm_head
+    if head.weight is embed.weight:
+        mark_tied(embed.weight, _TIE_NAME)
+
+    stages: list[HFCausalLMStage] = []
+    start = 0
+    for index, count in enumerate(layers_per_stage(len(layers), num_stages)):
+        first, last = index == 0, index == num_stages - 1
+        stage = HFCausalLMStage(
+            config,
+            layers[start : start + count],
+            first_layer=start,
+            layer_types=types[start : start + count],
+            rotary_emb=inner.rotary_emb,
+            embed_tokens=embed if first else None,
+            norm=inner.norm if last else None,
+            lm_head=head if last else None,
+            checkpoint_layers=checkpoint_layers,
+        )
+        keys = {f"layers.{j}": f"model.layers.{start + j}" for j in range(count)}
+        if first:
+            keys["embed_tokens"] = "model.embed_tokens"
+        if last:
+            keys |= {"norm": "model.norm", "lm_head": "lm_head"}
+        set_unsplit_keys(stage, keys)
+        stages.append(stage)
+        start += count
+    return stages
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """HF's causal-LM loss (``ForCausalLMLoss``): token ``t`` predicts ``labels[:, t + 1]``
+    (the last token predicts nothing), labels equal to ``ignore_index`` count for nothing,
+    and the cross-entropy is computed on ``logits.float()`` (float32 for float64 logits too,
+    as HF does). Returns a 0-dim float32 tensor.
+
+    Without ``num_items_in_batch``: the mean over the valid tokens of ``labels`` (with
+    ``loss_reduction="mean"`` the pipeline averages these per-micro-batch means). With it:
+    the sum of the token losses divided by ``num_items_in_batch``, the number of valid tokens
+    of the whole batch (all micro-batches and replicas): a 0-dim tensor, an int, or, as a
+    keyword tensor of ``pipe.step`` (split on dim 0 like the batch), a ``[B]`` tensor holding
+    that count in every row (``causal_lm_num_items``; its first element is read, on the
+    device). With ``loss_reduction="sum"`` the pipeline's loss and gradients are then HF's
+    ``model(input_ids, attention_mask=..., labels=...)`` on the whole batch.
+
+    logits: ``[B, T, V]``; labels: int ``[B, T]``.
+    """
+    logits = logits.float()
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat = logits.reshape(-1, logits.shape[-1])
+    target = shifted.reshape(-1).to(flat.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat, target, ignore_index=ignore_index)
+    total = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
+    count = num_items_in_batch
+    if isinstance(count, torch.Tensor):
+        count = count.reshape(-1)[0].to(total.device)
+    return total / count
+
+
+def causal_lm_num_items(
+    labels: torch.Tensor, *, dp_group: Any = None, ignore_index: int = -100
+) -> torch.Tensor:
+    """The ``num_items_in_batch`` keyword tensor of ``causal_lm_loss`` for this step: the
+    number of tokens the loss counts in ``labels`` ``[B, T]`` (``labels[:, 1:] !=
+    ignore_index``), summed over the data-parallel replicas with ``dp_group`` (an
+    ``all_reduce`` of a device tensor: no host synchronization), as an int64 ``[B]`` tensor
+    holding that count in every row.
+
+    Every pipeline rank passes the same keyword tensors, so every rank calls it on its
+    replica's labels (the ranks of one replica see the same batch).
+    """
+    count = (labels[..., 1:] != ignore_index).sum().reshape(1)
+    if dp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(count, group=dp_group)
+    return count.repeat(labels.shape[0])
