@@ -1,25 +1,41 @@
 """The input/weight split of backward: deferrable weight-gradient GEMMs.
 
-Every plain ``nn.Linear`` inside a stage is switched (by class, in place: parameters,
-state dict and ``isinstance`` are unchanged) to ``DeferrableLinear``. Its backward computes
+Every ``nn.Linear`` inside a stage, and every subclass of it that keeps ``nn.Linear.forward``
+(torchtitan's ``Linear``, FSDP2's ``FSDPLinear``), is switched (by class, in place:
+parameters, state dict, attributes and ``isinstance`` are unchanged) to ``DeferrableLinear``,
+or to a subclass of it and of the original class made once per class. Its backward computes
 the input gradient at once; the weight gradient ``grad_out^T @ x`` (and the bias sum) is
 either computed at once (``B``: full backward) or, while its stage's ``WeightGradStore`` is
 deferring on behalf of an ``I`` action, stashed under the key of the ``W`` action that will run
-it. ``W`` then runs exactly those GEMMs and accumulates into ``.grad``. Both accumulate in the
-GEMM itself (``.grad += g^T x`` as one ``addmm_``), not as a GEMM then an add; a full backward
-of a small layer (under ``FUSED_ACCUMULATION_MIN_NUMEL`` weights) uses plain autograd instead.
+it. ``W`` then runs exactly those GEMMs and accumulates into the ``.grad`` of the parameters
+the forward read. Both accumulate in the GEMM itself (``.grad += g^T x`` as one ``addmm_``),
+not as a GEMM then an add; a full backward of a small layer (under
+``FUSED_ACCUMULATION_MIN_NUMEL`` weights) uses plain autograd instead.
 
-Other parameters (norm weights, embeddings, custom layers) get their gradients during ``I``
-like in a full backward: they are not deferred. They are small next to the Linear weights,
-whose GEMMs are the work that zero-bubble schedules move into bubbles.
+Under ``torch.compile`` the Linear's forward and input-gradient GEMM are traced into the
+graph like any Linear's, and its weight gradient is one opaque custom op
+(``graphpipe::linear_weight_grad``) that asks the store at run time whether to stash the work
+(``I``) or do it now (``B``): the split is decided per call, not frozen when the graph is traced.
+
+Linear-like modules that cannot be switched (a subclass that overrides ``forward``, a module
+holding a matrix weight that is not an ``nn.Linear``) are left alone with a warning naming
+them, once per module; ``no_defer`` silences it. Other parameters (norm weights, embeddings,
+custom layers) get their gradients during ``I`` like in a full backward: they are not
+deferred. They are small next to the Linear weights, whose GEMMs are the work that zero-bubble
+schedules move into bubbles.
 
 State is explicit: one store per stage, held by the executor; no class-level queues. The
 store is plain object state, not thread-local, because CUDA autograd runs backward on a
-worker thread.
+worker thread. A compiled graph can carry no Python object, so it names its store by a number
+(a CPU tensor, a graph input rather than a constant: one graph serves every stage); the
+module keeps a weak table from numbers to live stores.
 """
 
 from __future__ import annotations
 
+import itertools
+import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = [
     "FUSED_ACCUMULATION_MIN_NUMEL",
@@ -46,11 +63,15 @@ _NO_DEFER = "_graphpipe_no_defer"
 # replay has no host cost.
 FUSED_ACCUMULATION_MIN_NUMEL = 1 << 18
 
+_store_ids = itertools.count()
+# Live stores by number, for the compiled op (see the module docstring).
+_STORES: weakref.WeakValueDictionary[int, WeightGradStore] = weakref.WeakValueDictionary()
+
 
 class WeightGradStore:
     """Deferred weight-gradient work of one stage, keyed by the ``W`` action that runs it."""
 
-    __slots__ = ("_key", "_pending", "accumulating", "split")
+    __slots__ = ("__weakref__", "_key", "_pending", "_token", "accumulating", "split")
 
     def __init__(self) -> None:
         self._pending: dict[Hashable, list[tuple[Callable[..., None], tuple]]] = {}
@@ -61,12 +82,26 @@ class WeightGradStore:
         # before each backward, to the value of that micro-batch's forward: an activation
         # checkpoint recomputes the forward during the backward, and the recompute must take
         # the same path (the two paths save different tensors: x and W, or x and W^T).
+        # Compiled Linears do not read it (one graph for both; see DeferrableLinear).
         self.split = True
         # Set by the executor around the backwards it runs (B): then a weight gradient that is
         # not deferred goes straight into .grad (fused, see _accumulate_weight_grad) instead
         # of back to autograd. Outside (a user's own backward or torch.autograd.grad on a stage)
-        # autograd gets it as from any Linear.
+        # autograd gets it as from any Linear, except in a compiled stage (see DeferrableLinear).
         self.accumulating = False
+        number = next(_store_ids)
+        self._token = torch.tensor(number, device="cpu")  # how a compiled graph names it
+        _STORES[number] = self
+
+    def __reduce__(self) -> tuple[type[WeightGradStore], tuple[()]]:
+        # A copy (deepcopy or pickle of a stage) gets a store of its own, empty: pending work
+        # belongs to one step of one pipeline, and the number names one store.
+        return WeightGradStore, ()
+
+    @property
+    def is_deferring(self) -> bool:
+        """Whether weight-gradient work run now is stashed (inside ``deferring``)."""
+        return self._key is not None
 
     @contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
@@ -114,6 +149,17 @@ class WeightGradStore:
         self._key = None
 
 
+def _store_numbered(token: torch.Tensor) -> WeightGradStore:
+    number = int(token)
+    store = _STORES.get(number)
+    if store is None:
+        raise RuntimeError(
+            f"a compiled Linear names WeightGradStore {number}, which no longer exists "
+            "(its pipeline was dropped): build the pipeline again"
+        )
+    return store
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     grad = grad.to(param.dtype)
     if param.grad is None:
@@ -122,8 +168,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def _accumulate_weight_grad(module: nn.Linear, x: torch.Tensor, g: torch.Tensor) -> None:
+def _accumulate_weight_grad(
+    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, g: torch.Tensor
+) -> None:
     """``weight.grad += g^T x`` (and ``bias.grad += sum(g)``).
+
+    ``weight`` and ``bias`` are the parameter objects the Linear's forward read (under FSDP2
+    the unsharded parameters, registered on the module between FSDP's hooks: their ``.grad``
+    is what FSDP's post-backward reduce-scatters), not what the module holds when this runs.
 
     Into an existing ``.grad`` of the operands' dtype this is one GEMM with beta = 1
     (``addmm_``): no weight-sized temporary and no second pass over ``.grad``, which for a
@@ -132,7 +184,6 @@ def _accumulate_weight_grad(module: nn.Linear, x: torch.Tensor, g: torch.Tensor)
     ``.grad``) the GEMM's result is cast and stored or added like autograd would.
     """
     g2 = g.reshape(-1, g.shape[-1])
-    weight, bias = module.weight, module.bias
     if weight.requires_grad:
         x2 = x.reshape(-1, x.shape[-1])
         grad = weight.grad
@@ -145,12 +196,13 @@ def _accumulate_weight_grad(module: nn.Linear, x: torch.Tensor, g: torch.Tensor)
 
 
 class _LinearFn(torch.autograd.Function):
+    """The eager Linear: decides in its backward, from the store, whether to defer."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, module, store):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, params, store):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.module = module
+        ctx.params = params  # (weight, bias) Parameters as the forward read them
         ctx.store = store
-        ctx.with_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -159,13 +211,13 @@ class _LinearFn(torch.autograd.Function):
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         store = ctx.store
-        if not need_w or store.defer(_accumulate_weight_grad, ctx.module, x, g):
+        if not need_w or store.defer(_accumulate_weight_grad, *ctx.params, x, g):
             return gx, None, None, None, None
         if store.accumulating:
             # The executor's full backward: into .grad now, fused, instead of handing the
             # weight gradient to autograd (which would add it into .grad in a second pass).
             with torch.no_grad():
-                _accumulate_weight_grad(ctx.module, x, g)
+                _accumulate_weight_grad(*ctx.params, x, g)
             return gx, None, None, None, None
         g2 = g.reshape(-1, g.shape[-1])
         gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
@@ -173,16 +225,106 @@ class _LinearFn(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+def _linear_weight_grad(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    store: torch.Tensor,
+) -> None:
+    """The weight gradient of a compiled Linear, run as it is (opaque to the compiler): stashed
+    for the ``W`` while the store defers, else accumulated into ``.grad`` now."""
+    owner = _store_numbered(store)
+    if owner.is_deferring:
+        # Copies: the compiled graph reuses the memory of its intermediates (g, and x when it
+        # is recomputed in the backward) once their last op in the graph has run, which is
+        # this one; the stashed tensors must outlive the graph.
+        owner.defer(_accumulate_weight_grad, weight, bias, x.clone(), g.clone())
+        return
+    with torch.no_grad():
+        _accumulate_weight_grad(weight, bias, x, g)
+
+
+# A plain library op, not torch.library.custom_op: custom_op's Python wrappers cost ~25 us
+# more per call than this registration (2-core CPU, one 64 x 64 Linear, no grad mode: 58
+# against 32 us per call, the body alone 30 us).
+_LIB = torch.library.Library("graphpipe", "FRAGMENT")
+_LIB.define(
+    "linear_weight_grad(Tensor g, Tensor x, Tensor weight, Tensor? bias, Tensor store) -> ()"
+)
+_LIB.impl("linear_weight_grad", _linear_weight_grad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("graphpipe::linear_weight_grad", lib=_LIB)
+def _(g, x, weight, bias, store) -> None:
+    return None
+
+
+# It returns nothing and writes no tensor argument: without this mark the compiler drops it
+# as dead code (measured: the W then had no work and the weights no gradient).
+torch.fx.node.has_side_effect(torch.ops.graphpipe.linear_weight_grad.default)
+
+
+class _CompiledLinearFn(torch.autograd.Function):
+    """The Linear of a compiled stage. Dynamo traces forward and backward into the graph;
+    the weight gradient is the opaque op, so what it does is decided when it runs.
+
+    ``w_param`` / ``b_param``: the parameters when ``weight`` / ``bias`` are autocast's copies
+    of them, else None (dynamo does not trace a Function given one tensor twice)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, w_param, b_param):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, bias, store, w_param, b_param)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight, bias, store, w_param, b_param = ctx.saved_tensors
+        if w_param is not None:
+            weight_param, bias_param = w_param, b_param
+        else:
+            weight_param, bias_param = weight, bias
+        torch.ops.graphpipe.linear_weight_grad(g, x, weight_param, bias_param, store)
+        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        return gx, None, None, None, None, None
+
+
+def _autocast_copies(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(x, weight, bias)`` cast as autocast casts a Linear's operands; None outside it."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return x.to(dt), weight.to(dt), bias.to(dt) if bias is not None else None
+
+
 class DeferrableLinear(nn.Linear):
     """An ``nn.Linear`` whose weight-gradient GEMM can be deferred to a ``W`` action.
 
-    Created only by ``make_deferrable`` (class switch of an existing ``nn.Linear``). Without
-    a store it behaves exactly like ``nn.Linear``.
+    Created only by ``make_deferrable`` (class switch of an existing ``nn.Linear``, or of a
+    subclass that keeps ``nn.Linear.forward``: then the module's class is a subclass of both,
+    made once per original class). Without a store it behaves exactly like ``nn.Linear``.
+
+    Its weight gradient goes to the ``.grad`` of the parameter objects its forward read
+    (``self.weight`` and ``self.bias`` at that time: under FSDP2 the unsharded parameters).
+    Eager, a backward the executor does not run (``loss.backward()`` or
+    ``torch.autograd.grad`` of your own) hands it to autograd as any Linear would. Compiled
+    (``torch.compile``), the weight gradient is never handed to autograd: outside ``I`` it goes
+    straight into ``.grad``, so ``backward()`` gives the usual gradients but
+    ``torch.autograd.grad`` with respect to these weights does not see them (torch raises
+    that they were not used in the graph).
     """
 
-    _wgrad_store: WeightGradStore | None
+    _wgrad_store: WeightGradStore | None = None
+    _wgrad_token: torch.Tensor | None = None
+    _wgrad_fused = False
+    _graphpipe_original: type[nn.Linear] = nn.Linear  # the class make_deferrable switched
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(x)
         d = self.__dict__
         store = d.get("_wgrad_store")
         # A full backward (not split) of a small layer takes plain autograd: cheaper on the
@@ -190,60 +332,179 @@ class DeferrableLinear(nn.Linear):
         if store is None or not (store.split or d["_wgrad_fused"]) or not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         weight, bias = self.weight, self.bias
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            # Cast as autocast would, and save the cast copies: backward runs outside autocast.
-            dt = torch.get_autocast_dtype(dev)
-            x, weight = x.to(dt), weight.to(dt)
-            bias = bias.to(dt) if bias is not None else None
-            with torch.autocast(dev, enabled=False):
-                return _LinearFn.apply(x, weight, bias, self, store)
-        return _LinearFn.apply(x, weight, bias, self, store)
+        params = (weight, bias)
+        cast = _autocast_copies(x, weight, bias)
+        if cast is None:
+            return _LinearFn.apply(x, weight, bias, params, store)
+        # Save the cast copies: backward runs outside autocast.
+        with torch.autocast(x.device.type, enabled=False):
+            return _LinearFn.apply(*cast, params, store)
+
+    def _compiled_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One path whatever store.split says (reading it would trace a graph per value): the
+        # op decides at run time, and a B's weight gradient then goes into .grad fused.
+        token = self._wgrad_token
+        weight, bias = self.weight, self.bias
+        if token is None or not torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        cast = _autocast_copies(x, weight, bias)
+        if cast is None:
+            return _CompiledLinearFn.apply(x, weight, bias, token, None, None)
+        with torch.autocast(x.device.type, enabled=False):
+            return _CompiledLinearFn.apply(*cast, token, weight, bias)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # Pickle (and deepcopy) through the original class: a class made by make_deferrable
+        # cannot be found by name; _deferrable_class makes it again where it is loaded.
+        return _new_deferrable, (self._graphpipe_original,), self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        store = state.get("_wgrad_store")
+        if store is not None:  # a copied store has a number of its own
+            self.__dict__["_wgrad_token"] = store._token
+
+
+_DEFERRABLE_CLASSES: dict[type[nn.Linear], type[DeferrableLinear]] = {nn.Linear: DeferrableLinear}
+
+
+def _deferrable_class(cls: type[nn.Linear]) -> type[DeferrableLinear]:
+    """The class a module of class ``cls`` (``nn.Linear`` or a subclass keeping its forward) is
+    switched to: ``DeferrableLinear`` for ``nn.Linear``; else a subclass of ``DeferrableLinear``
+    and ``cls`` (``DeferrableLinear.forward`` first in its MRO), made once per class."""
+    made = _DEFERRABLE_CLASSES.get(cls)
+    if made is None:
+        name = f"Deferrable{cls.__name__}"
+        made = type(
+            name,
+            (DeferrableLinear, cls),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": name,
+                "__doc__": f"{cls.__qualname__} with deferrable weight gradients (graphpipe).",
+                "_graphpipe_original": cls,
+            },
+        )
+        _DEFERRABLE_CLASSES[cls] = made
+    return made
+
+
+def _new_deferrable(cls: type[nn.Linear]) -> DeferrableLinear:
+    made = _deferrable_class(cls)
+    return nn.Module.__new__(made)
 
 
 def no_defer(module: nn.Module) -> nn.Module:
     """Mark ``module`` (and everything inside it) to keep its ``nn.Linear`` layers as they are:
-    a pipeline built afterwards does not switch them to ``DeferrableLinear``, so their weight
-    gradients are computed during ``I`` like any other parameter's. Returns ``module``."""
+    a pipeline built afterwards does not switch them to ``DeferrableLinear`` (their weight
+    gradients are computed during ``I`` like any other parameter's) and does not warn about
+    Linear-like layers it cannot defer there. Returns ``module``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"no_defer takes an nn.Module, got {type(module).__name__}")
     object.__setattr__(module, _NO_DEFER, True)
     return module
 
 
-def _unmarked_modules(module: nn.Module) -> Iterator[nn.Module]:
-    """``module.modules()`` without the subtrees marked by ``no_defer`` (each module once)."""
-    seen: set[int] = set()
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen or m.__dict__.get(_NO_DEFER, False):
-            continue
-        seen.add(id(m))
-        yield m
-        stack.extend(reversed(list(m.children())))
+# Modules without deferral whose matrix weights are not GEMM work of a Linear's kind.
+_NOT_LINEAR_LIKE = (nn.Embedding, nn.EmbeddingBag)
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def make_deferrable(module: nn.Module, store: WeightGradStore) -> int:
-    """Switch every plain ``nn.Linear`` in ``module`` to ``DeferrableLinear`` bound to ``store``,
-    and hand ``store`` to every submodule with a ``bind_weight_grad_store(store)`` method.
+def _switchable(m: nn.Module) -> bool:
+    return (
+        isinstance(m, nn.Linear)
+        and type(m).forward is nn.Linear.forward
+        and not parametrize.is_parametrized(m)
+    )
 
-    Subclasses of ``nn.Linear`` and modules marked by ``no_defer`` (with their contents) are
-    left alone. A custom layer
-    defers its weight-gradient work by binding the store and, in its backward, calling
-    ``store.defer(fn, *args)`` (which stashes ``fn(*args)`` for the ``W`` action and returns
-    True during an ``I``, and returns False otherwise: then it runs the work at once).
-    Returns the number of layers now deferrable.
+
+def _why_not_deferred(m: nn.Module) -> str | None:
+    """Why ``m`` (not switched, no ``bind_weight_grad_store``) does Linear-like work that is
+    not deferred; None when it does not."""
+    cls = type(m).__qualname__
+    if isinstance(m, nn.Linear):
+        if parametrize.is_parametrized(m):
+            return (
+                "it is parametrized (torch.nn.utils.parametrize): its weight is computed in forward"
+            )
+        return f"its class {cls} overrides nn.Linear.forward"
+    if isinstance(m, nn.MultiheadAttention):
+        return "it computes its projections inside F.multi_head_attention_forward"
+    if isinstance(m, _NOT_LINEAR_LIKE):
+        return None
+    for name, p in m.named_parameters(recurse=False):
+        if p.dim() >= 2 and p.is_floating_point():
+            return f"it holds the matrix weight {name!r} {list(p.shape)} but is not an nn.Linear"
+    return None
+
+
+def _warn_not_deferred(where: str, path: str, m: nn.Module, why: str) -> None:
+    if m in _warned:
+        return
+    _warned.add(m)
+    cls = f"{type(m).__module__}.{type(m).__qualname__}"
+    name = f"{where}.{path}" if path else where
+    warnings.warn(
+        f"graphpipe: {name} ({cls}) is not deferred: {why}, so its weight gradient is "
+        "computed during I, not W. Give it a bind_weight_grad_store method to defer it, or "
+        "mark it with graphpipe.no_defer(module) to silence this warning.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def make_deferrable(module: nn.Module, store: WeightGradStore, *, where: str | None = None) -> int:
+    """Switch the Linear layers in ``module`` to ``DeferrableLinear`` bound to ``store``, hand
+    ``store`` to every submodule with a ``bind_weight_grad_store(store)`` method, and warn
+    about the Linear-like layers it cannot defer.
+
+    Switched: every ``nn.Linear``, and every subclass of it that does not override
+    ``forward`` (torchtitan's ``Linear``; FSDP2's ``FSDPLinear``, which ``fully_shard`` makes
+    for a sharded ``nn.Linear``): the module's class becomes ``DeferrableLinear`` or a subclass
+    of both it and the original class, so ``isinstance``, attributes and state dict keys stay.
+    A custom layer defers its weight-gradient work by binding the store and, in its backward,
+    calling ``store.defer(fn, *args)`` (which stashes ``fn(*args)`` for the ``W`` action and
+    returns True during an ``I``, and returns False otherwise: then it runs the work at once).
+
+    Left alone with a ``UserWarning`` naming the module (``where`` and its path in
+    ``module``, and its class), once per module: a subclass of ``nn.Linear`` that overrides
+    ``forward`` or is parametrized, an ``nn.MultiheadAttention``, and any other module that
+    holds a parameter of two or more dimensions (embeddings excepted). Modules marked by
+    ``no_defer`` (with their contents) are skipped without a word.
+
+    where: how the warning names ``module`` (default: its class name; the pipeline says which
+        stage).
+
+    Returns the number of layers now deferrable (switched Linears plus bound custom layers):
+    the pipeline reports it per stage as ``pipe.num_deferrable``, a tuple in the order of its
+    stages; 0 for a stage means its ``W`` actions have nothing to do.
     """
+    while isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        module = module._orig_mod  # torch.compile(stage): name paths in the stage itself
+    where = where if where is not None else type(module).__name__
     count = 0
-    for m in _unmarked_modules(module):
-        if type(m) is nn.Linear:
-            m.__class__ = DeferrableLinear
-        if type(m) is DeferrableLinear:
+    seen: set[int] = set()
+    stack = [("", module)]  # module.named_modules(), each module once, under its first path
+    while stack:
+        path, m = stack.pop()
+        if id(m) in seen or m.__dict__.get(_NO_DEFER, False):
+            continue  # no_defer: the module and everything inside it
+        seen.add(id(m))
+        if not isinstance(m, DeferrableLinear) and _switchable(m):
+            m.__class__ = _deferrable_class(type(m))
+        if isinstance(m, DeferrableLinear):
             m.__dict__["_wgrad_store"] = store
+            m.__dict__["_wgrad_token"] = store._token
             m.__dict__["_wgrad_fused"] = m.weight.numel() >= FUSED_ACCUMULATION_MIN_NUMEL
             count += 1
         elif callable(bind := getattr(m, "bind_weight_grad_store", None)):
             bind(store)
             count += 1
+        elif (why := _why_not_deferred(m)) is not None:
+            _warn_not_deferred(where, path, m, why)
+            # What it holds is its own business (MultiheadAttention's out_proj is never
+            # called; a parametrization's tensors are not layers).
+            continue
+        prefix = path + "." if path else ""
+        stack.extend(reversed([(prefix + n, c) for n, c in m.named_children()]))
     return count

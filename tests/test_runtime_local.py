@@ -64,9 +64,9 @@ def test_large_linears_accumulate_every_weight_grad_fused_and_match_the_referenc
     calls = []
     real = weightgrad._accumulate_weight_grad
 
-    def counting(module, x, g):
-        calls.append(module)
-        real(module, x, g)
+    def counting(weight, bias, x, g):
+        calls.append(weight)
+        real(weight, bias, x, g)
 
     monkeypatch.setattr(weightgrad, "_accumulate_weight_grad", counting)
     stages = build_stages(2)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import graphpipe
 from graphpipe.weightgrad import (
     FUSED_ACCUMULATION_MIN_NUMEL,
     DeferrableLinear,
@@ -34,26 +38,137 @@ def _pair(bias: bool = True):
     return ref, lin
 
 
-def test_make_deferrable_switches_only_plain_linear_layers():
-    class MyLinear(nn.Linear):
-        pass
+class TitanLinear(nn.Linear):
+    """Like torchtitan's Linear: a subclass that keeps nn.Linear.forward, adds an attribute and a
+    method (module level: pickle finds it)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = "titan"
+
+    def init_weights(self, std: float) -> None:
+        nn.init.trunc_normal_(self.weight, std=std)
+
+
+class ScaledLinear(nn.Linear):
+    """Overrides forward: the deferrable Linear's forward would replace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+class RawLinear(nn.Module):
+    """Linear-like without being an nn.Linear: its own matrix weight and F.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w)
+
+
+def test_make_deferrable_switches_linear_layers_and_subclasses_that_keep_forward():
     model = nn.Sequential(
-        nn.Linear(2, 2), nn.ReLU(), MyLinear(2, 2), nn.Sequential(nn.Linear(2, 1))
+        nn.Linear(2, 2),
+        nn.ReLU(),
+        TitanLinear(2, 2),
+        nn.Sequential(nn.Linear(2, 1), TitanLinear(1, 1)),
     )
+    keys = list(model.state_dict())
     store = WeightGradStore()
-    assert make_deferrable(model, store) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing here is left alone
+        assert make_deferrable(model, store) == 4
     assert type(model[0]) is DeferrableLinear and isinstance(model[0], nn.Linear)
-    assert type(model[2]) is MyLinear
     assert type(model[3][0]) is DeferrableLinear
-    assert set(model.state_dict()) == {
-        "0.weight",
-        "0.bias",
-        "2.weight",
-        "2.bias",
-        "3.0.weight",
-        "3.0.bias",
-    }
+    titan = model[2]
+    assert isinstance(titan, TitanLinear) and isinstance(titan, DeferrableLinear)
+    assert type(titan) is type(model[3][1])  # one class per original class
+    assert type(titan).__mro__[1:3] == (DeferrableLinear, TitanLinear)
+    assert titan.tag == "titan" and type(titan).__name__ == "DeferrableTitanLinear"
+    titan.init_weights(0.02)  # the original class's methods stay
+    assert list(model.state_dict()) == keys
+
+
+def test_a_switched_subclass_defers_its_weight_grad_to_W():
+    torch.manual_seed(0)
+    ref = TitanLinear(5, 3).double()
+    lin = TitanLinear(5, 3).double()
+    lin.load_state_dict(ref.state_dict())
+    store = WeightGradStore()
+    assert make_deferrable(lin, store) == 1
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ref(x).sum().backward()
+    with store.deferring("w"):
+        lin(x).sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is None
+    assert store.run("w") == 1
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-14, atol=0)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-14, atol=0)
+
+
+def test_layers_that_cannot_be_deferred_warn_once_naming_path_and_class():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(ScaledLinear(2, 3)), RawLinear())
+    with pytest.warns(UserWarning) as record:
+        assert make_deferrable(model, WeightGradStore(), where="stage 3") == 1
+    messages = sorted(str(w.message) for w in record)
+    assert len(messages) == 2, messages
+    assert messages[0].startswith(
+        "graphpipe: stage 3.1.0 (tests.test_weightgrad.ScaledLinear) is not deferred: its "
+        "class ScaledLinear overrides nn.Linear.forward"
+    ), messages[0]
+    assert messages[1].startswith(
+        "graphpipe: stage 3.2 (tests.test_weightgrad.RawLinear) is not deferred: it holds the "
+        "matrix weight 'w' [3, 2] but is not an nn.Linear"
+    ), messages[1]
+    assert type(model[1][0]) is ScaledLinear  # left alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per module: a second pipeline says nothing
+        assert make_deferrable(model, WeightGradStore()) == 1
+
+
+def test_no_defer_silences_the_warning_and_embeddings_never_warn():
+    model = nn.Sequential(nn.Embedding(4, 2), graphpipe.no_defer(ScaledLinear(2, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_deferrable(model, WeightGradStore()) == 0
+
+
+def test_multihead_attention_and_parametrized_linears_warn_and_stay_as_they_are():
+    lin = nn.Linear(4, 4)
+    torch.nn.utils.parametrizations.orthogonal(lin)
+    model = nn.Sequential(nn.MultiheadAttention(4, 2), lin)
+    with pytest.warns(UserWarning) as record:
+        assert make_deferrable(model, WeightGradStore()) == 0
+    text = " | ".join(str(w.message) for w in record)
+    assert len(record) == 2, text
+    assert "Sequential.0 (torch.nn.modules.activation.MultiheadAttention)" in text
+    assert "F.multi_head_attention_forward" in text
+    assert "Sequential.1 (torch.nn.utils.parametrize.ParametrizedLinear)" in text
+    # MultiheadAttention never calls its out_proj: switching it would count a layer that
+    # defers nothing
+    assert not isinstance(model[0].out_proj, DeferrableLinear)
+    assert not isinstance(lin, DeferrableLinear)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_switched_stage_copies_with_a_store_of_its_own(how):
+    model = nn.Sequential(TitanLinear(3, 2), nn.Linear(2, 2)).double()
+    store = WeightGradStore()
+    make_deferrable(model, store)
+    copied = pickle.loads(pickle.dumps(model)) if how == "pickle" else copy.deepcopy(model)
+    assert type(copied[0]) is type(model[0]) and type(copied[1]) is DeferrableLinear
+    assert copied[0].tag == "titan"
+    mine = copied[0]._wgrad_store
+    assert mine is copied[1]._wgrad_store and mine is not store
+    assert int(copied[0]._wgrad_token) == int(mine._token) != int(store._token)
+    for a, b in zip(model.state_dict().values(), copied.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with mine.deferring(0):
+        copied(x).sum().backward()
+    assert store.pending() == [] and mine.run(0) == 2
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -100,9 +100,13 @@ class Pipeline:
             soon as its last W (or B) of the step has run, and the loss is the mean over the
             replicas (``runtime/data_parallel.py``). The replicas start from the first one's
             parameters (broadcast here).
-        defer_weight_grads: switch the stages' plain ``nn.Linear`` layers to the deferrable
-            one (default True); False computes every weight gradient during ``I`` (``W`` is
-            then empty). ``graphpipe.no_defer(module)`` opts out one module.
+        defer_weight_grads: switch the stages' ``nn.Linear`` layers (and subclasses that keep
+            its ``forward``) to the deferrable one (default True); False computes every
+            weight gradient during ``I`` (``W`` is then empty). A Linear-like layer that
+            cannot defer warns at construction, naming it; ``graphpipe.no_defer(module)``
+            opts out one module. ``pipe.num_deferrable``: a tuple, one entry per stage in
+            the order of ``stages``, of the layers that defer (0: that stage's ``W`` does
+            nothing).
         clip_grad_norm: clip the gradients to this global norm at the end of every training
             step (``graphpipe.clip_grad_norm_``, after the data-parallel averaging, inside the
             captured step); the norm is then ``pipe.grad_norm``.

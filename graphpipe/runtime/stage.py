@@ -132,8 +132,8 @@ class StageRunner:
         self.prev_local = [self.local.get(s - 1) for s in self.stage_ids]
         self.stores = tuple(WeightGradStore() for _ in self.modules)
         self.num_deferrable = tuple(
-            make_deferrable(m, st) if defer else 0
-            for m, st in zip(self.modules, self.stores, strict=True)
+            make_deferrable(m, st, where=f"stage {sid}") if defer else 0
+            for m, st, sid in zip(self.modules, self.stores, self.stage_ids, strict=True)
         )
         m, k = num_microbatches, len(self.modules)
         self.inputs: list[list[Any]] = [[None] * m for _ in range(k)]  # leaves
