@@ -90,3 +90,67 @@ def test_a_pipeline_dropped_without_close_releases_its_graphs_when_collected():
     del pipe
     gc.collect()
     assert log == ["reset g"]
+
+
+def _order_of_calls(rank: int, world: int, staged: bool) -> list[list[str]]:
+    """Four captured steps with stand-in CUDA graphs; what each step ran."""
+    import graphpipe
+    from tests.pipeline_models import batch, build_stages, local_stages, mse
+
+    pipe = graphpipe.DualPipeV(
+        local_stages(build_stages(2 * world), rank, world),
+        num_microbatches=4,
+        loss_fn=mse,
+        capture=True,
+    )
+    pipe.engine.staged = staged  # NCCL's first step (handshake over the control group), on gloo
+    driver, loop = pipe._capture, pipe._loop
+    driver.graphs = True  # as on CUDA: capture, then replay
+    log: list[str] = []
+    train, static = loop.train, loop.static
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            log.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    class Graphs:
+        def replay(self, ranges) -> None:
+            log.append("replay")
+
+        def reset(self) -> None:
+            pass
+
+    def capture():
+        log.append("capture")
+        driver._static_grads = []
+        return Graphs()
+
+    loop.train, loop.static = logged("eager step", train), logged("eager static step", static)
+    driver._capture_graphs = capture
+    x, y = batch(8)
+    steps = []
+    for _ in range(4):
+        log.clear()
+        pipe.step(x if rank == 0 else None, y if rank == 0 else None)
+        steps.append(list(log))
+    pipe.close()
+    return steps
+
+
+def test_with_nccl_every_communicator_carries_one_real_eager_step_before_the_capture():
+    from tests.spawn import run_ranks
+
+    staged = run_ranks(_order_of_calls, 2, True)
+    for steps in staged:
+        assert steps == [
+            ["eager step"],  # records the metadata (the handshake over the control group)
+            ["eager static step"],  # the real transfers on every rank pair, not captured
+            ["capture", "replay"],
+            ["replay"],
+        ]
+    plain = run_ranks(_order_of_calls, 2, False)  # gloo P2P, or one rank: capture at once
+    for steps in plain:
+        assert steps == [["eager step"], ["capture", "replay"], ["replay"], ["replay"]]

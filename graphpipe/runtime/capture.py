@@ -10,7 +10,10 @@ Three visible phases per batch signature (shapes and dtypes of the batch):
    completes in the background); the transfers and the runner's micro-batch views are bound
    to it;
 3. replay: on CPU the static step itself (same program, plan buffers only); on CUDA the
-   static step captured once with ``torch.cuda.graph`` and replayed (``graphs.py``).
+   static step captured once with ``torch.cuda.graph`` and replayed (``graphs.py``). With
+   NCCL over several ranks the capture comes one step later: the first step's handshake
+   travels over the gloo control group, so one eager static step carries every rank pair's
+   real transfers first (no communicator sees its first real-size group inside a capture).
 
 Owns: the captures (plans, bindings, graphs) and the capture stream. May touch: the
 engine's transfers (``static`` buffers), the runner's micro-batch inputs and labels (and its
@@ -52,12 +55,13 @@ class Capture:
     """One captured signature: its plan, recorded metadata, buffer bindings and graphs;
     ``batch``: the runner's micro-batches (views of the plan's static batch buffers)."""
 
-    __slots__ = ("batch", "bindings", "graphs", "metas", "plan", "record", "sig")
+    __slots__ = ("batch", "bindings", "graphs", "metas", "plan", "record", "sig", "warm_steps")
 
     def __init__(self, sig, plan, record, metas, bindings, batch) -> None:
         self.sig, self.plan, self.record, self.metas = sig, plan, record, metas
         self.bindings, self.batch = bindings, batch
         self.graphs: Any = None
+        self.warm_steps = 0  # eager static steps still to run before the capture
 
 
 def _decode_signature(signature: Signature) -> list[tuple[str, list[int], str]]:
@@ -134,6 +138,7 @@ class CaptureDriver:
         self.mode, self.recapture = mode, recapture
         self.captures: dict[Signature, Capture] = {}
         self.active: Capture | None = None
+        self.graphs = ctx.device.type == "cuda"  # on CPU the static step is the replay
         self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
         self._finalizer = weakref.finalize(self, _release, self.captures, ctx.device.type)
 
@@ -157,10 +162,20 @@ class CaptureDriver:
         for name, bufs in cap.plan.kwargs.items():
             for dst, src in zip(bufs, as_tuple(kwargs[name]), strict=True):
                 dst.copy_(src, non_blocking=True)
-        if ctx.device.type != "cuda":
+        if not self.graphs:
             self.loop.static(self.program)  # CPU: no graph API; the static step is the replay
             return self.loss.out
         if cap.graphs is None:
+            if cap.warm_steps:
+                # NCCL over several ranks: the warmup step's handshake went over the control
+                # group and engine.warm() sent one element per rank pair, so no communicator
+                # has carried a real-size group yet. One full static step with the real
+                # transfers, eager, on the capture stream (torch's whole-network recipe),
+                # before any of them sees its first group inside a capture.
+                cap.warm_steps -= 1
+                with self._on_capture_stream():
+                    self.loop.static(self.program)
+                return self.loss.out
             cap.graphs = self._capture_graphs()
         self._check_static_grads()
         self._replay(cap)
@@ -178,7 +193,10 @@ class CaptureDriver:
                 loss = loop.train(self.program, sig, inputs, labels, kwargs, None).clone()
                 if loop.optimizer is not None:
                     loop.optimizer.step()
-        self.captures[sig] = self._make(sig, record, inputs, labels, kwargs)
+        cap = self.captures[sig] = self._make(sig, record, inputs, labels, kwargs)
+        # Staged P2P (NCCL, several ranks): the capture waits for one eager static step with
+        # the real transfers (see ``step``).
+        cap.warm_steps = 1 if self.engine.staged else 0
         return loss
 
     def _on_capture_stream(self) -> Any:

@@ -79,7 +79,8 @@ class Pipeline:
             rank per step; ``"action"``: one CUDA graph per compute action, replayed in its
             range, the P2P between them. On CPU both run the static step (plan buffers
             only). Step 1 runs eagerly and records metadata, step 2 captures, later steps
-            replay.
+            replay; with NCCL over several ranks step 2 runs the static step eagerly with
+            the real transfers (warming every communicator) and step 3 captures.
         recapture: with capture, a batch of another shape or dtype captures a new graph for
             that signature instead of raising ``ValueError``.
         capture_optimizer: with capture, an optimizer over this rank's parameters whose step
