@@ -39,6 +39,7 @@ def _case(mesh, case: dict) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import graphpipe
+    from graphpipe.nvtx import Ranges
     from graphpipe.runtime.fsdp import ShardedStages
 
     d, p = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
@@ -76,13 +77,20 @@ def _case(mesh, case: dict) -> dict:
     finally:
         ShardedStages.finish = finish
     pipe.fsdp.stage_ids = pipe.stage_ids
+
+    class Log(Ranges):  # every action's range, in order, beside the reduce-scatters
+        def push(self, name: str) -> None:
+            events.append(name)
+            super().push(name)
+
+    pipe.ranges = Log(use_nvtx=False)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = batch(16, seed=10 + step, dtype=dtype)
         x, y = x[d * 8 : (d + 1) * 8], y[d * 8 : (d + 1) * 8]
         opt.zero_grad()
-        events.append("step")
+        events.append("=== step")
         loss = pipe.step(x if pipe.is_input_rank else None, y if pipe.is_loss_rank else None)
         losses.append(loss.item())
         opt.step()
@@ -93,6 +101,7 @@ def _case(mesh, case: dict) -> dict:
         for name, q in m.named_parameters()
     }
     dp_reduced = sum(len(bs) for bs in pipe.data_parallel.buckets.values())
+    events.append("=== forward")
     out = pipe.forward(batch(16, seed=99, dtype=dtype)[0] if pipe.is_input_rank else None)
     pipe.close()
     return {
@@ -200,12 +209,35 @@ def test_fsdp2_stages_train_as_the_whole_model(results, name: str) -> None:
 
 
 def test_each_stage_is_reduce_scattered_as_soon_as_its_gradients_are_final(results) -> None:
-    """Under DualPipeV, rank 0's stage 0 and stage 3 finish at different points: each
-    reduce-scatter is posted inside the step, the first before the step's last action."""
+    """Under DualPipeV rank 0 holds stages 0 and 3: each is reduce-scattered once per step,
+    right after its own last gradient action, and the first of them is posted while the
+    step still has actions to run."""
+    from graphpipe.ir import Action, Op
+
     events = results[0]["dualpipev-reshard"]["events"]
-    last_step = events[len(events) - 1 - events[::-1].index("step") :]
-    assert last_step.count("reduce-scatter stage 0") == 1
-    assert last_step.count("reduce-scatter stage 3") == 1
+    start = len(events) - 1 - events[::-1].index("=== step")  # the last training step
+    step = events[start + 1 : events.index("=== forward")]
+    actions = []
+    for i, name in enumerate(step):
+        try:
+            actions.append((i, Action.parse(name)))
+        except ValueError:
+            continue
+    posted = {name: step.index(name) for name in step if name.startswith("reduce-scatter")}
+    assert sorted(posted) == ["reduce-scatter stage 0", "reduce-scatter stage 3"]
+    assert [step.count(name) for name in posted] == [1, 1]
+    for stage in (0, 3):
+        at = posted[f"reduce-scatter stage {stage}"]
+        grads = [
+            i
+            for i, a in actions
+            for part in a.parts()
+            if part.stage == stage and part.op in (Op.B, Op.I, Op.W)
+        ]
+        assert max(grads) < at, f"stage {stage}: a gradient action after its reduce-scatter"
+        assert at == max(grads) + 1  # nothing of the step between the last one and it
+    first = min(posted.values())
+    assert any(i > first for i, _ in actions), "the first reduce-scatter waited for the end"
 
 
 def test_fsdp2_stages_need_their_dp_group_and_capture_needs_them_unsharded(results) -> None:
