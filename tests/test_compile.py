@@ -21,7 +21,10 @@ from tests.pipeline_models import batch, build_stages, local_stages, mse, unique
 
 # float64 everywhere; the compiled kernels may sum in another order than eager's (a
 # LayerNorm's reductions, vectorized), so compiled and eager agree to rounding, not bitwise.
-RTOL, ATOL = 1e-12, 1e-14
+# The order is inductor's, which differs between torch versions: with torch 2.11 one
+# gradient element of magnitude ~4e-4 differed by 1.2e-14 (3e-11 relative); the absolute
+# bound covers such near-cancelling elements, the relative one the rest.
+RTOL, ATOL = 1e-10, 1e-12
 
 _GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_"}
 _ACTION = re.compile(r"^\d+[FBIW]\d+$|OVERLAP_F_B$")

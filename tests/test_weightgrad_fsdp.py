@@ -18,6 +18,7 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from graphpipe.runtime.fsdp import param_groups
     from graphpipe.weightgrad import DeferrableLinear, WeightGradStore, make_deferrable
 
     def build() -> nn.Sequential:
@@ -47,7 +48,7 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> dict:
     with store.deferring("W0"):
         model(x).backward(g)
     state = fully_shard.state(model)
-    fsdp_params = [p for st in state._state_ctx.all_states for pg in st._fsdp_param_groups
+    fsdp_params = [p for st in state._state_ctx.all_states for pg in param_groups(st)
                    for p in pg.fsdp_params]  # fmt: skip
     unsharded = {id(p.unsharded_param) for p in fsdp_params}
     grads_after_I = [p.unsharded_param.grad is not None for p in fsdp_params]
@@ -59,7 +60,7 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> dict:
     model.set_reshard_after_backward(True)
     model.set_is_last_backward(True)
     for st in state._state_ctx.all_states:
-        for pg in st._fsdp_param_groups:
+        for pg in param_groups(st):
             pg.post_backward()
     state._root_post_backward_final_callback()
     ref(x).backward(g)

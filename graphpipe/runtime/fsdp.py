@@ -31,7 +31,8 @@ adds. So, per training step (torch's recipe for pipelines, the one ``PipelineSta
 torch offers no public call for "reduce-scatter the accumulated gradients now", so this part
 reaches into FSDP2's state the way ``torch.distributed.pipelining`` does
 (``fully_shard.state(m)._state_ctx.all_states``, ``FSDPParamGroup.post_backward``,
-``_root_post_backward_final_callback``; the same in torch 2.11 and 2.13).
+``_root_post_backward_final_callback``; torch 2.11 keeps one parameter group per state where
+2.13 keeps a list: ``param_groups`` reads either).
 
 Owns: the flags it sets on the FSDP modules. May touch: the FSDP modules of this rank's
 stages (their state, their all-gathers and reduce-scatters, their sharded ``.grad``).
@@ -49,7 +50,7 @@ from torch import nn
 from .context import RankContext
 from .program import Program
 
-__all__ = ["ShardedStages", "fsdp_modules"]
+__all__ = ["ShardedStages", "fsdp_modules", "param_groups"]
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
@@ -67,12 +68,22 @@ def _roots(mods: Sequence[nn.Module]) -> list[nn.Module]:
     return [m for m in mods if id(m) not in inner]
 
 
+def param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: ``_fsdp_param_groups`` (torch 2.13), or the one
+    ``_fsdp_param_group`` (None when it manages no parameter) of torch 2.11 and 2.12."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def _reshards_after_forward(module: nn.Module) -> bool:
     """Whether FSDP reshards ``module``'s parameters after forward (its policy)."""
     from torch.distributed.fsdp import fully_shard
 
     state = fully_shard.state(module)
-    return any(g.post_forward_mesh_info is not None for g in state._fsdp_param_groups)
+    return any(g.post_forward_mesh_info is not None for g in param_groups(state))
 
 
 class ShardedStages:
@@ -147,7 +158,7 @@ class ShardedStages:
             root.set_is_last_backward(True)
             state = fully_shard.state(root)
             for st in state._state_ctx.all_states:
-                for group in st._fsdp_param_groups:
+                for group in param_groups(st):
                     group.post_backward()
             state._root_post_backward_final_callback()
 
