@@ -50,8 +50,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from graphpipe.ir import Action, Op, Schedule
-from graphpipe.schedules import Placement
+from graphpipe.ir import Action, Op, Placement, Schedule
 from graphpipe.timing import Durations, dataflow_times
 
 __all__ = [

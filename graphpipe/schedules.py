@@ -2,7 +2,8 @@
 
 Each generator is a pure function ``(num_ranks, num_microbatches) -> Schedule`` returning the
 compute-only per-rank programs (no communication; ``lower.lower`` adds it). Where the stages
-live is a ``Placement``; ``SCHEDULES`` maps a schedule's name to its generator and placement:
+live is an ``ir.Placement``; ``SCHEDULES`` maps a schedule's name to its generator and
+placement:
 
 ==========  ============  =====================================================
 name        stages        placement
@@ -14,124 +15,27 @@ zbv         2N            V, as above (the zero-bubble paper's ZB-V)
 
 Micro-batch numbers in the generated actions increase by one per (stage, op kind), starting
 at 0; each deferred weight-gradient action ``W`` names its stage and micro-batch explicitly.
+
+A generator does not check what it built: ``simulate.validate`` and ``simulate.dataflow`` do
+(the tests run them on every generator), and ``simulate.resolve_schedule`` runs them on what
+a pipeline is given.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphpipe.ir import Action, Op, Schedule
+from graphpipe.ir import Action, Op, Placement, Schedule
 
 __all__ = [
     "SCHEDULES",
-    "Placement",
     "ScheduleKind",
     "dualpipev",
     "one_f_one_b",
-    "resolve_schedule",
-    "stage_to_rank",
     "zbv",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Placement
-
-
-def _v_rank(stage: int, num_ranks: int) -> int:
-    return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
-
-
-def _loop_rank(stage: int, num_ranks: int) -> int:
-    return stage % num_ranks
-
-
-_STYLES: dict[str, Callable[[int, int], int]] = {"v": _v_rank, "loop": _loop_rank}
-"""Placement styles: ``v`` folds 2N stages into a V; ``loop`` deals stages round-robin."""
-
-
-def stage_to_rank(stage: int, num_ranks: int, style: str) -> int:
-    """The rank holding ``stage`` under ``style`` (``"v"``: 2N stages, ``"loop"``: round-robin).
-
-    ``v``: stage ``s < N`` on rank ``s``, stage ``s >= N`` on rank ``2N-1-s``.
-    ``loop``: stage ``s`` on rank ``s % N`` (with N stages: one stage per rank).
-    """
-    if style not in _STYLES:
-        raise ValueError(f"unknown placement style {style!r}: expected one of {sorted(_STYLES)}")
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if stage < 0 or (style == "v" and stage >= 2 * num_ranks):
-        limit = f"0 .. {2 * num_ranks - 1}" if style == "v" else ">= 0"
-        raise ValueError(f"stage must be {limit} for style {style!r}, got {stage}")
-    return _STYLES[style](stage, num_ranks)
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Which rank holds which stage.
-
-    num_ranks: pipeline ranks, 0 .. num_ranks-1.
-    num_stages: model stages (chunks), 0 .. num_stages-1, in data-flow order.
-    stage_to_rank: ``stage_to_rank[s]`` is the rank that runs stage ``s``.
-    """
-
-    num_ranks: int
-    num_stages: int
-    stage_to_rank: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.num_ranks < 1 or self.num_stages < 1:
-            raise ValueError(
-                f"a placement needs num_ranks >= 1 and num_stages >= 1, "
-                f"got {self.num_ranks} and {self.num_stages}"
-            )
-        if len(self.stage_to_rank) != self.num_stages:
-            raise ValueError(
-                f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages"
-            )
-        if bad := [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]:
-            raise ValueError(f"stage_to_rank names ranks {bad} outside 0 .. {self.num_ranks - 1}")
-
-    @classmethod
-    def from_style(cls, num_ranks: int, style: str, stages_per_rank: int = 1) -> Placement:
-        """``num_ranks * stages_per_rank`` stages placed by ``style`` (see ``stage_to_rank``)."""
-        if style == "v" and stages_per_rank != 2:
-            raise ValueError(f"style 'v' places 2 stages per rank, got {stages_per_rank}")
-        num_stages = num_ranks * stages_per_rank
-        ranks = tuple(stage_to_rank(s, num_ranks, style) for s in range(num_stages))
-        return cls(num_ranks, num_stages, ranks)
-
-    @classmethod
-    def from_schedule(cls, schedule: Mapping[int, Sequence[Action]]) -> Placement:
-        """The placement a compute-only schedule implies (each stage on the rank that runs it)."""
-        owner: dict[int, int] = {}
-        for rank, actions in schedule.items():
-            for cell in actions:
-                for part in cell.parts():
-                    if owner.setdefault(part.stage, rank) != rank:
-                        raise ValueError(
-                            f"stage {part.stage} runs on ranks {owner[part.stage]} and {rank}"
-                        )
-        num_stages = max(owner, default=-1) + 1
-        if missing := sorted(set(range(num_stages)) - set(owner)):
-            raise ValueError(f"no rank runs stages {missing}")
-        num_ranks = max(schedule, default=-1) + 1
-        return cls(num_ranks, num_stages, tuple(owner[s] for s in range(num_stages)))
-
-    def rank_of(self, stage: int) -> int:
-        """The rank that runs ``stage``."""
-        return self.stage_to_rank[stage]
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages ``rank`` runs, ascending."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
-
-    @property
-    def last_stage(self) -> int:
-        """The stage that computes the loss."""
-        return self.num_stages - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,7 +263,7 @@ class ScheduleKind:
 
     name: the registry key (``graphpipe schedule --schedule NAME``).
     build: ``(num_ranks, num_microbatches) -> Schedule``; raises ValueError on bad sizes.
-    style: the placement style (see ``stage_to_rank``).
+    style: the placement style (see ``ir.stage_to_rank``).
     stages_per_rank: stages each rank runs (``num_stages = stages_per_rank * num_ranks``).
     summary: one line for help texts.
     """
@@ -392,35 +296,3 @@ SCHEDULES: dict[str, ScheduleKind] = {
     )
 }
 """Schedules by name."""
-
-
-def resolve_schedule(
-    schedule: str | Mapping[int, Sequence[Action]], n: int, m: int
-) -> tuple[dict[int, list[Action]], Placement, str]:
-    """``schedule`` (a name in ``SCHEDULES``, or a compute-only ``{rank: [Action, ...]}``) for
-    ``n`` ranks and ``m`` micro-batches: the schedule, its placement and its name, validated
-    (``simulate.validate``; a schedule whose ranks deadlock each other raises too)."""
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
-        built, placement = SCHEDULES[schedule](n, m)
-        name = schedule
-    elif isinstance(schedule, Mapping):
-        built = {r: list(a) for r, a in schedule.items()}
-        if sorted(built) != list(range(n)):
-            raise ValueError(
-                f"the schedule has ranks {sorted(built)}, but the pipeline has {n} ranks "
-                f"(0 .. {n - 1})"
-            )
-        placement = Placement.from_schedule(built)
-        name = "custom"
-    else:
-        raise TypeError(
-            f"schedule must be a name ({', '.join(sorted(SCHEDULES))}) or a "
-            f"{{rank: [Action, ...]}} mapping, got {type(schedule).__name__}"
-        )
-    from graphpipe.simulate import dataflow, validate
-
-    validate(built, placement, m)
-    dataflow(built, placement)  # raises ScheduleError, with the grid, if ranks deadlock
-    return built, placement, name

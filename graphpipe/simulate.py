@@ -1,6 +1,10 @@
 """Validation and timing of schedules: dependencies, deadlocks, bubble, peak memory.
 
-``validate`` checks a compute-only schedule. ``simulate`` runs a lowered schedule
+The top pass of the schedule half (``ir`` -> ``schedules`` -> ``timing`` -> ``lower`` ->
+``simulate``): it reads all of them and none reads it. ``validate`` checks a compute-only
+schedule; ``resolve_schedule`` turns what a pipeline is given (a name in
+``schedules.SCHEDULES`` or a user's ``{rank: [Action, ...]}``) into the validated schedule and
+its placement. ``simulate`` runs a lowered schedule
 (``lower.lower``) under the runtime's asynchronous execution model:
 
 * each rank runs its ``Step``s in order; it *posts* step ``k``'s batch (sends and receives)
@@ -31,9 +35,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
-from graphpipe.ir import Action, Op
+from graphpipe.ir import WAIT_PREFIX, Action, Op, Placement
 from graphpipe.lower import Step, channel, comms_needed, matching, peer
-from graphpipe.schedules import Placement
+from graphpipe.schedules import SCHEDULES
 from graphpipe.timing import dataflow_times
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "WaitRecord",
     "dataflow",
     "format_grid",
+    "resolve_schedule",
     "simulate",
     "validate",
 ]
@@ -218,6 +223,36 @@ def validate(
         raise _error("invalid schedule:", cells, problems, "invalid")
 
 
+def resolve_schedule(
+    schedule: str | Mapping[int, Sequence[Action]], n: int, m: int
+) -> tuple[dict[int, list[Action]], Placement, str]:
+    """``schedule`` (a name in ``SCHEDULES``, or a compute-only ``{rank: [Action, ...]}``) for
+    ``n`` ranks and ``m`` micro-batches: the schedule, its placement and its name, validated
+    (``validate``; a schedule whose ranks deadlock each other raises too)."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
+        built, placement = SCHEDULES[schedule](n, m)
+        name = schedule
+    elif isinstance(schedule, Mapping):
+        built = {r: list(a) for r, a in schedule.items()}
+        if sorted(built) != list(range(n)):
+            raise ValueError(
+                f"the schedule has ranks {sorted(built)}, but the pipeline has {n} ranks "
+                f"(0 .. {n - 1})"
+            )
+        placement = Placement.from_schedule(built)
+        name = "custom"
+    else:
+        raise TypeError(
+            f"schedule must be a name ({', '.join(sorted(SCHEDULES))}) or a "
+            f"{{rank: [Action, ...]}} mapping, got {type(schedule).__name__}"
+        )
+    validate(built, placement, m)
+    dataflow(built, placement)  # raises ScheduleError, with the grid, if ranks deadlock
+    return built, placement, name
+
+
 class _Replay:
     """Replays one rank's actions in order and names each that runs before its inputs exist.
 
@@ -345,7 +380,7 @@ class WaitRecord:
 
     @property
     def label(self) -> str:
-        return "wait " + " ".join(map(str, self.receives))
+        return WAIT_PREFIX + " ".join(map(str, self.receives))
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from graphpipe.ir import BACKWARD_OPS, Action, Op
-from graphpipe.schedules import Placement
+from graphpipe.ir import BACKWARD_OPS, Action, Op, Placement
 
 __all__ = ["DataflowTimes", "Durations", "dataflow_times", "producer"]
 
