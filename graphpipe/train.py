@@ -565,9 +565,9 @@ def build_rank(
     With ``opts["dp"] = D > 1`` the world is a ``("dp", "pp")`` mesh of D replicas of a
     ``world / D``-rank pipeline (global rank ``d * N + p``); each replica's first rank takes
     its ``1/D`` share of every batch."""
-    from . import DualPipeV
     from .data import ByteBatches, load_text_bytes
     from .models import LlamaConfig, LlamaLoss, build_stages, num_parameters, unique_parameters
+    from .runtime.pipeline import DualPipeV
 
     opts = dict(opts)
     dp = opts.get("dp", 1)
