@@ -1,8 +1,9 @@
 """The ``graphpipe`` command line: one function per subcommand, registered in ``_SUBCOMMANDS``.
 
 ``graphpipe schedule --ranks N --microbatches M [--schedule dualpipev|1f1b|zbv]
-[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE]`` prints a schedule and
-what the simulator finds about it. Bad input exits with code 2 and a one-line message.
+[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE] [--full]`` prints a
+schedule and what the simulator finds about it (``simulate.figures``, linear in the number of
+actions). Bad input exits with code 2 and a one-line message.
 
 To add a subcommand ``NAME``: write ``_add_NAME_parser(sub)`` (creates the parser and sets
 ``func=_cmd_NAME``) and ``_cmd_NAME(args) -> int``, and list it in ``_SUBCOMMANDS``.
@@ -18,19 +19,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, NoReturn
 
-from graphpipe.ir import format_csv
+import numpy as np
+
+from graphpipe.ir import write_csv
 from graphpipe.lower import lower
+from graphpipe.packed import Cells, decode_schedule
 from graphpipe.render import write_picture
 from graphpipe.schedules import SCHEDULES, ScheduleKind
-from graphpipe.simulate import (
-    Costs,
-    ScheduleError,
-    SimResult,
-    dataflow,
-    format_grid,
-    simulate,
-    validate,
-)
+from graphpipe.simulate import Costs, Figures, ScheduleError, figures, format_grid, simulate
 
 __all__ = ["main"]
 
@@ -61,6 +57,12 @@ def _costs(text: str) -> Costs:
 
 # --------------------------------------------------------------------------------------------
 # graphpipe schedule
+
+_FULL_LIMIT = 100_000
+"""Cells above which the grid is not printed and the picture not drawn without ``--full``:
+the grid of 128 ranks and 256 micro-batches (131 000 cells) is 128 columns of up to 24
+characters, the picture 128 rows; neither can be read, and they cost more than the whole
+simulation."""
 
 
 def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -97,6 +99,13 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
         f"({Costs()})",
     )
     p.add_argument("--out", metavar="PICTURE", help="also draw the timeline (.svg, or .png)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"print the grid and draw --out even for a schedule of more than {_FULL_LIMIT} "
+        "cells (otherwise the grid format prints a one-line note in the grid's place and --out "
+        "is refused): both are then slow and large",
+    )
     p.set_defaults(func=_cmd_schedule, parser=p)
     return p
 
@@ -105,27 +114,33 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     kind: ScheduleKind = SCHEDULES[args.schedule]
     costs: Costs = args.costs
     try:
-        schedule, placement = kind(args.ranks, args.microbatches)
+        cells = kind.cells(args.ranks, args.microbatches)
     except ValueError as e:
         args.parser.error(str(e))
+    placement = kind.placement(args.ranks)
+    if args.out and len(cells) > _FULL_LIMIT and not args.full:
+        args.parser.error(
+            f"--out: the schedule has {len(cells)} cells, more than {_FULL_LIMIT}: its picture "
+            "cannot be read (--full draws it anyway)"
+        )
     try:
-        validate(schedule, placement, args.microbatches)
-        lowered = lower(schedule, placement, durations=costs.of, latency=costs.p2p)
-        result = simulate(lowered, placement, costs)
-        ideal = dataflow(schedule, placement, costs)
+        found = figures(cells, placement, args.microbatches, costs)
     except ScheduleError as e:
         print(e, file=sys.stderr)
         return 1
     if args.out:  # first, so that a picture that cannot be written leaves stdout empty
+        schedule = decode_schedule(cells)
+        lowered = lower(schedule, placement, durations=costs.of, latency=costs.p2p)
+        result = simulate(lowered, placement, costs)
         title = f"{kind.name}: {args.ranks} ranks, {args.microbatches} micro-batches ({costs})"
         try:
             path = write_picture(args.out, result, costs=costs, title=title, num_ranks=args.ranks)
         except (RuntimeError, ValueError, OSError) as e:
             args.parser.error(str(e))
         print(f"wrote {path}", file=sys.stderr)
-    stats = _statistics(kind, args.ranks, args.microbatches, costs, result)
-    stats["dataflow_makespan"] = ideal.makespan
-    _FORMATS[args.format](schedule, stats)
+    stats = _statistics(kind, args.ranks, args.microbatches, costs, found)
+    stats["dataflow_makespan"] = found.dataflow_makespan
+    _FORMATS[args.format](cells, stats, args.full)
     return 0
 
 
@@ -159,7 +174,7 @@ _REFERENCES: dict[str, Callable[[int, Costs], dict[str, Any]]] = {
 
 
 def _statistics(
-    kind: ScheduleKind, n: int, m: int, costs: Costs, result: SimResult
+    kind: ScheduleKind, n: int, m: int, costs: Costs, result: Figures
 ) -> dict[str, Any]:
     stats: dict[str, Any] = {
         "schedule": kind.name,
@@ -177,12 +192,19 @@ def _statistics(
     return stats
 
 
-def _print_grid(schedule: dict, stats: dict[str, Any]) -> None:
+def _print_grid(cells: Cells, stats: dict[str, Any], full: bool) -> None:
     print(
         f"{stats['schedule']}: {stats['ranks']} ranks, {stats['stages']} stages, "
         f"{stats['microbatches']} micro-batches; costs {Costs(**stats['costs'])}"
     )
-    print(format_grid({r: [str(a) for a in actions] for r, actions in schedule.items()}))
+    steps = int(np.diff(cells.offsets).max(initial=0))
+    if len(cells) <= _FULL_LIMIT or full:
+        print(format_grid(cells.names()))
+    else:
+        print(
+            f"(the grid of {stats['ranks']} ranks x {steps} steps, {len(cells)} cells, is not "
+            f"printed: more than {_FULL_LIMIT}; --full prints it, --format csv writes the cells)"
+        )
     print(f"makespan {stats['makespan']:g}, mean bubble {stats['bubble_fraction']:.1%}")
     header = ("rank", "busy", "idle", "recv wait", "bubble", "peak activations", "peak pending W")
     print("  ".join(header))
@@ -214,15 +236,15 @@ def _print_grid(schedule: dict, stats: dict[str, Any]) -> None:
         )
 
 
-def _print_csv(schedule: dict, stats: dict[str, Any]) -> None:
-    sys.stdout.write(format_csv(schedule))
+def _print_csv(cells: Cells, stats: dict[str, Any], full: bool) -> None:
+    write_csv((names for _, names in cells.rows()), sys.stdout)
 
 
-def _print_json(schedule: dict, stats: dict[str, Any]) -> None:
+def _print_json(cells: Cells, stats: dict[str, Any], full: bool) -> None:
     print(json.dumps(stats, indent=2))
 
 
-_FORMATS: dict[str, Callable[[dict, dict[str, Any]], None]] = {
+_FORMATS: dict[str, Callable[[Cells, dict[str, Any], bool], None]] = {
     "grid": _print_grid,
     "csv": _print_csv,
     "json": _print_json,

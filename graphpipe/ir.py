@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 __all__ = [
     "WAIT_PREFIX",
@@ -31,6 +32,7 @@ __all__ = [
     "load_csv",
     "parse_csv",
     "stage_to_rank",
+    "write_csv",
 ]
 
 
@@ -147,10 +149,16 @@ pictures all use it."""
 def format_csv(schedule: Mapping[int, Sequence[Action | None]]) -> str:
     """Torch's compute-only CSV: one row per rank, in rank order, empty cell for idle."""
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\r\n")  # csv.writer's default, as torch writes
-    for rank in sorted(schedule):
-        writer.writerow(["" if a is None else str(a) for a in schedule[rank]])
+    write_csv((schedule[rank] for rank in sorted(schedule)), buf)
     return buf.getvalue()
+
+
+def write_csv(rows: Iterable[Sequence[Action | str | None]], out: TextIO) -> None:
+    """Write ``rows`` (one per rank, in rank order: actions or their strings, None for idle)
+    to ``out`` in torch's compute-only CSV format, one row at a time."""
+    writer = csv.writer(out, lineterminator="\r\n")  # csv.writer's default, as torch writes
+    for row in rows:
+        writer.writerow(["" if a is None else str(a) for a in row])
 
 
 def parse_csv(text: str | Iterable[str]) -> Schedule:

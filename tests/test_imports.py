@@ -45,6 +45,7 @@ line entry (``graphpipe --version`` reads ``__version__``)."""
 
 SCHEDULE_LAYERS = (
     "graphpipe.ir",
+    "graphpipe.packed",
     "graphpipe.schedules",
     "graphpipe.timing",
     "graphpipe.lower",
