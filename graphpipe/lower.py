@@ -435,9 +435,8 @@ def post_receives_early_cells(
     is_send = (op == packed.SEND_F) | (op == packed.SEND_B)
     # every send's slot (key, direction) -> the last comm that posts it; every receive's slot
     slots = (max(steps.stage_bound(), placement.num_stages) + 2) * mb * 2
-    sent = np.full(slots, -1, dtype=np.int64)
     sends = np.flatnonzero(is_send)
-    np.maximum.at(sent, (codes[sends] >> 3) * 2 + (op[sends] == packed.SEND_B), sends)
+    sent = packed.last_at(slots, (codes[sends] >> 3) * 2 + (op[sends] == packed.SEND_B), sends)
     received = np.zeros(slots, dtype=bool)
     recvs = np.flatnonzero(~is_send)
     received[(codes[recvs] >> 3) * 2 + (op[recvs] == packed.RECV_B)] = True

@@ -1,9 +1,10 @@
 """The schedule as arrays: what the passes run on, so that they scale to thousands of ranks.
 
-A schedule of 1024 ranks and 2048 micro-batches has ten million actions; as ``Action`` objects
-it would not fit in a few GB, as arrays it takes a few hundred MB. So the passes (``timing``,
-``lower``, ``simulate``) compute on the forms here, and their ``Action`` functions encode
-their input and decode their output; the runtime, the tests and users see only ``Action`` objects.
+A schedule of 1024 ranks and 2048 micro-batches has ten million actions; as ``Action``
+objects (and their lowered steps) it does not fit in 2 GB, as arrays it takes a few
+hundred MB. So the passes (``timing``, ``lower``, ``simulate``) compute on the forms here, and
+their ``Action`` functions encode their input and decode their output: the runtime and users
+see only ``Action`` objects. Only this module and the passes know the codes.
 
 A plain action is one integer, its *code*: ``(stage * mb_bound + microbatch) * 8 + op``, with
 ``op`` its index in ``OPS``. ``key = code >> 3`` names the (stage, micro-batch) pair.
@@ -27,13 +28,21 @@ import numpy as np
 from graphpipe.ir import Action, Op
 
 __all__ = [
+    "CHUNK",
     "OPS",
     "Cells",
     "Programs",
+    "action_of",
+    "cell_name",
+    "cell_of",
+    "code_dtype",
+    "code_of",
     "concat",
     "decode_schedule",
     "encode_lowered",
     "encode_schedule",
+    "first_at",
+    "last_at",
 ]
 
 OPS = (Op.F, Op.B, Op.I, Op.W, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
@@ -168,6 +177,27 @@ class Programs:
         post at most ``limit`` comms together (or are one rank): passes that work rank by
         rank take them a chunk at a time, to bound their temporary arrays."""
         return _chunks(np.diff(self.comm_offsets[self.steps.offsets]), limit)
+
+
+def first_at(size: int, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per key (0 .. size-1), the first of ``values`` (ascending) at it; the largest int64
+    where none."""
+    out = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
+    if len(keys) and np.bincount(keys, minlength=size).max() > 1:
+        np.minimum.at(out, keys, values)  # a key twice: the first one
+    else:
+        out[keys] = values
+    return out
+
+
+def last_at(size: int, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per key (0 .. size-1), the last of ``values`` (ascending) at it; -1 where none."""
+    out = np.full(size, -1, dtype=np.int64)
+    if len(keys) and np.bincount(keys, minlength=size).max() > 1:
+        np.maximum.at(out, keys, values)  # a key twice: the last one
+    else:
+        out[keys] = values
+    return out
 
 
 def _chunks(sizes: np.ndarray, limit: int | None) -> list[tuple[int, int]]:

@@ -697,17 +697,6 @@ def _parts(cells: Cells, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return codes, ranks, order
 
 
-def _first_at(size: int, keys: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Per key, the smallest order it occurs at (the largest int64 where it never does);
-    ``order`` ascending."""
-    out = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
-    if len(keys) and np.bincount(keys, minlength=size).max() > 1:
-        np.minimum.at(out, keys, order)  # a key twice: the first one
-    else:
-        out[keys] = order
-    return out
-
-
 def _weights_ok(key: np.ndarray, op: np.ndarray, order: np.ndarray, finished: bool) -> bool:
     """Each W follows an I of its (stage, micro-batch) with no W between; ``finished``: no I
     is left without its W (``_Replay._weight`` and ``unfinished``)."""
@@ -756,8 +745,8 @@ def _compute_ok(
     size = count * mb
     forward = op == packed.F
     backward = (op == packed.B) | (op == packed.I)
-    done_f = _first_at(size, local_key[forward], order[forward])
-    done_b = _first_at(size, local_key[backward], order[backward])
+    done_f = packed.first_at(size, local_key[forward], order[forward])
+    done_b = packed.first_at(size, local_key[backward], order[backward])
     for sel, offset, done, comm in ((forward, -1, done_f, 0), (backward, +1, done_b, 1)):
         s, m, o = stage[sel], micro[sel], order[sel]
         src = s + offset
@@ -854,7 +843,7 @@ class _Chunk:
         parts, part_rank, order = _parts(steps, 3 * np.arange(len(steps), dtype=np.int64) + 1)
         size = count * mb
         received = tuple(
-            _first_at(size, local_key[op == c], where[op == c])
+            packed.first_at(size, local_key[op == c], where[op == c])
             for c in (packed.RECV_F, packed.RECV_B)
         )
         if not _compute_ok(parts, part_rank, order, placement, mb, local_stages, received):  # type: ignore[arg-type]
@@ -865,7 +854,7 @@ class _Chunk:
             (packed.SEND_F, p_op == packed.F),
             (packed.SEND_B, (p_op == packed.B) | (p_op == packed.I)),
         ):
-            done = _first_at(size, p_local[made], order[made])
+            done = packed.first_at(size, p_local[made], order[made])
             if not (done[local_key[op == send]] < where[op == send]).all():
                 return False
         return True
@@ -916,11 +905,9 @@ def _posted(programs: Programs, placement: Placement) -> np.ndarray:
     codes = programs.comms
     recvs = np.flatnonzero(((codes & 7) == packed.RECV_F) | ((codes & 7) == packed.RECV_B))
     size = (placement.num_stages + 1) * programs.steps.mb_bound * 2
-    out = np.full(size, -1, dtype=np.int64)
     slot = (codes[recvs] >> 3) * 2 + ((codes[recvs] & 7) == packed.RECV_B)
     inside = slot < size  # the others fail the checks
-    np.maximum.at(out, slot[inside], recvs[inside])
-    return out
+    return packed.last_at(size, slot[inside], recvs[inside])
 
 
 @dataclass(frozen=True, eq=False)
@@ -1047,8 +1034,9 @@ def _run(
         _explain_unmatched(lowered, placement, _cells(lowered))
         raise AssertionError("the array checks found unmatched messages the replay does not")
     # message j: the steps that post its two ends; per step: the messages its compute reads
-    send_step = np.searchsorted(programs.comm_offsets, messages.send, side="right") - 1
-    recv_step = np.searchsorted(programs.comm_offsets, messages.recv, side="right") - 1
+    comm_step = programs.comm_step().astype(messages.send.dtype)
+    send_step, recv_step = comm_step[messages.send], comm_step[messages.recv]
+    del comm_step
     message_of = np.full(len(codes), -1, dtype=messages.recv.dtype)
     message_of[messages.recv] = np.arange(len(messages.recv), dtype=messages.recv.dtype)
     needs = [
