@@ -262,8 +262,7 @@ def _lower_plain(cells: Cells, placement: Placement) -> tuple[Programs, np.ndarr
     step_offsets = np.zeros(len(step_sizes) + 1, dtype=np.int64)
     np.cumsum(step_sizes, out=step_offsets[1:])
     counts = np.concatenate([np.diff(p.comm_offsets) for p, _ in pieces])
-    comm_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=comm_offsets[1:])
+    comm_offsets = packed.offsets_of(counts)
     base = cells.offsets[[lo for lo, _ in cells.chunks()]]
     step_cell = np.concatenate(
         [np.where(c >= 0, c + b, -1) for (_, c), b in zip(pieces, base.tolist())]
@@ -284,13 +283,16 @@ def _lower_ranks(cells: Cells, placement: Placement) -> tuple[Programs, np.ndarr
     recv_b, send_b = comm_codes(cells.second, placement, cells.mb_bound)
     sizes = np.diff(cells.offsets)
     last = cells.offsets[1:] - 1
-    flush = (sizes > 0) & ((send_a[last] >= 0) | (send_b[last] >= 0))
+    flush = np.zeros(len(sizes), dtype=bool)
+    if len(cells):  # a rank whose last compute sends gets a final flush
+        at = np.maximum(last, 0)
+        flush = (sizes > 0) & ((send_a[at] >= 0) | (send_b[at] >= 0))
     step_sizes = sizes + flush
     step_offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(step_sizes, out=step_offsets[1:])
     total = int(step_offsets[-1])
     # each step: its cell (-1 for a flush) and the cell before it on its rank (-1 for none)
-    step_cell = np.full(total, -1, dtype=np.int64)
+    step_cell = np.full(total, -1, dtype=np.int32 if len(cells) < 2**31 else np.int64)
     within = np.arange(len(cells)) - np.repeat(cells.offsets[:-1], sizes)
     step_cell[np.repeat(step_offsets[:-1], sizes) + within] = np.arange(len(cells))
     before = np.full(total, -1, dtype=np.int64)
@@ -310,8 +312,7 @@ def _lower_ranks(cells: Cells, placement: Placement) -> tuple[Programs, np.ndarr
         axis=1,
     )
     present = slots >= 0
-    comm_offsets = np.zeros(total + 1, dtype=np.int64)
-    np.cumsum(present.sum(axis=1), out=comm_offsets[1:])
+    comm_offsets = packed.offsets_of(present.sum(axis=1))
     steps = Cells(
         cells.ranks,
         step_offsets,
@@ -507,8 +508,7 @@ def post_receives_early_cells(
         final = np.argsort(order, kind="stable")
         new_codes.append(chunk[final])
         counts.append(np.bincount(new_step - g0, minlength=g1 - g0))
-    comm_offsets = np.zeros(len(steps) + 1, dtype=np.int64)
-    np.cumsum(np.concatenate(counts or [np.zeros(0, np.int64)]), out=comm_offsets[1:])
+    comm_offsets = packed.offsets_of(np.concatenate(counts or [np.zeros(0, np.int64)]))
     return Programs(steps, comm_offsets, np.concatenate(new_codes or [codes[:0]]))
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "encode_schedule",
     "first_at",
     "last_at",
+    "offsets_of",
 ]
 
 OPS = (Op.F, Op.B, Op.I, Op.W, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
@@ -50,7 +51,7 @@ OPS = (Op.F, Op.B, Op.I, Op.W, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
 F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B = range(8)  # noqa: E741 - the ops' names
 _INDEX = {op: i for i, op in enumerate(OPS)}
 
-CHUNK = 1 << 20
+CHUNK = 1 << 18
 """Comms per chunk for the passes that go rank by rank (``Programs.chunks``): their
 temporaries stay some tens of MB whatever the schedule's size."""
 
@@ -177,6 +178,15 @@ class Programs:
         post at most ``limit`` comms together (or are one rank): passes that work rank by
         rank take them a chunk at a time, to bound their temporary arrays."""
         return _chunks(np.diff(self.comm_offsets[self.steps.offsets]), limit)
+
+
+def offsets_of(counts: np.ndarray) -> np.ndarray:
+    """``[0, counts[0], counts[0] + counts[1], ...]``: where each of a run of groups starts;
+    int32 while the total fits."""
+    total = int(np.sum(counts, dtype=np.int64))
+    out = np.zeros(len(counts) + 1, dtype=np.int32 if total < 2**31 else np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 def first_at(size: int, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -327,17 +327,18 @@ def _zbv_rank(rank: int, n: int, m: int) -> _RankProgram:
 def _zbv_cells(num_ranks: int, num_microbatches: int) -> Cells:
     _check_sizes(num_ranks, num_microbatches, 1, "ZB-V")
     total = max(num_microbatches, 2 * num_ranks - 1)  # what _zbv_rank generates
-    cells = _cells(
-        num_ranks, 2 * num_ranks, total, lambda r: _zbv_rank(r, num_ranks, num_microbatches)
-    )
-    # keep the cells whose every part has a micro-batch < M
-    mb = cells.mb_bound
-    keep = ((cells.first >> 3) % mb < num_microbatches) & (
-        (cells.second < 0) | ((cells.second >> 3) % mb < num_microbatches)
-    )
-    kept_before = np.concatenate([[0], np.cumsum(keep)])  # kept cells before each cell
-    offsets = kept_before[cells.offsets]
-    return Cells(cells.ranks, offsets, cells.first[keep], cells.second[keep], mb)
+
+    def kept(r: int) -> _RankProgram:
+        """Rank r's program without the cells of a part of micro-batch >= M."""
+        p = _zbv_rank(r, num_ranks, num_microbatches)
+        first, second = np.concatenate(p.first), np.concatenate(p.second)
+        keep = ((first >> 3) % total < num_microbatches) & (
+            (second < 0) | ((second >> 3) % total < num_microbatches)
+        )
+        p.first, p.second = [first[keep]], [second[keep]]
+        return p
+
+    return _cells(num_ranks, 2 * num_ranks, total, kept)
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:

@@ -1012,7 +1012,8 @@ def _run(
     steps, codes = programs.steps, programs.comms
     pairs = placement.num_ranks
     rank_pair = np.empty(len(codes), dtype=np.int32 if pairs * pairs < 2**31 else np.int64)
-    need_comm = [np.full(len(steps), -1, dtype=np.int64) for _ in range(2)]
+    index = np.int32 if len(codes) < 2**31 else np.int64
+    need_comm = [np.full(len(steps), -1, dtype=index) for _ in range(2)]
     posted = None
     sent_when_made = True
     for lo, hi in programs.chunks():  # the checks, and what the run reads, rank by rank
@@ -1043,14 +1044,14 @@ def _run(
         np.where(n >= 0, message_of[np.maximum(n, 0)], -1) if len(codes) else n for n in need_comm
     ]
     del message_of, need_comm
-    edge_of = np.cumsum(messages.first) - 1
     edge_start = np.flatnonzero(messages.first)
     found = None
     if times is not None and sent_when_made:
         found = _as_dataflow(programs, times, needs, send_step, recv_step, edge_start, p2p)
     if found is not None:
-        issue, starts, ends = found
+        issue, starts, ends, arrival = found
     else:
+        edge_of = np.cumsum(messages.first) - 1
         issue, starts, ends = _run_loop(
             steps,
             needs,
@@ -1063,7 +1064,7 @@ def _run(
             placement,
             steps_of,
         )
-    travel = _arrivals(issue, send_step, recv_step, edge_start, p2p)
+        arrival = _arrivals(issue, send_step, recv_step, edge_start, p2p)
     # a rank is done when its last compute has ended and its sends have arrived
     finish = np.zeros(len(steps.ranks))
     for i in range(len(steps.ranks)):
@@ -1071,8 +1072,11 @@ def _run(
         mine = mine[~np.isnan(mine)]
         if len(mine):
             finish[i] = mine[-1]
-    sender = np.searchsorted(steps.offsets, send_step, side="right") - 1
-    np.maximum.at(finish, sender, travel)
+    if len(arrival):  # the messages are in sender order (their rank pairs are)
+        sender = np.searchsorted(steps.offsets, send_step, side="right") - 1
+        first = np.flatnonzero(np.concatenate([[True], sender[1:] != sender[:-1]]))
+        latest = np.maximum.reduceat(arrival, first)
+        finish[sender[first]] = np.maximum(finish[sender[first]], latest)
     makespan = float(finish.max()) if len(finish) else 0.0
     return _Outcome(issue, starts, ends, makespan, messages)
 
@@ -1101,8 +1105,9 @@ def _as_dataflow(
     recv_step: np.ndarray,
     edge_start: np.ndarray,
     p2p: float,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The run's (issue, start, end) per step when they are the dataflow ``times``, else None.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The run's (issue, start, end) per step and arrival per message when they are the
+    dataflow ``times``, else None.
 
     For programs whose every send is posted in the step right after the compute that makes
     its data (``_Chunk.sent_when_made``, as ``lower`` posts them; the caller checks), a step
@@ -1127,7 +1132,7 @@ def _as_dataflow(
     if not (start == times.starts).all():
         return None
     ends = np.where(steps.first >= 0, times.ends, np.nan)
-    return issue, times.starts, ends
+    return issue, times.starts, ends, arrival
 
 
 def _run_loop(

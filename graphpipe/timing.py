@@ -183,7 +183,9 @@ class _State:
             columns += [np.where(need >= 0, need, size).astype(item), remote, made.astype(item)]
         del rank
         self.need1, self.remote1, self.made1, self.need2, self.remote2, self.made2 = columns
-        self.dur = np.where(cells.first >= 0, durations, 0.0).astype(np.float64)
+        self.dur = np.asarray(durations, dtype=np.float64)
+        if (self.dur[cells.first < 0] != 0).any():  # a flush takes no time
+            self.dur = np.where(cells.first >= 0, self.dur, 0.0)
         self.done = np.zeros(size + 2)
         self.known = np.zeros(size + 2, dtype=bool)
         self.done[size], self.known[size] = -np.inf, True

@@ -38,7 +38,7 @@ CASES = [
     (name, n, m)
     for name in sorted(SCHEDULES)
     for n, m in [(1, 2), (1, 4), (2, 4), (2, 7), (3, 6), (3, 10), (5, 10), (5, 16), (8, 16)]
-]
+] + [(name, n, m) for name in ("1f1b", "zbv") for n, m in [(3, 2), (5, 3), (4, 1)]]
 RECEIVES = [
     {"early_receives": False},
     {"receives": "timed"},
@@ -103,6 +103,30 @@ def test_simulate_and_figures_equal_the_old_algorithms(name, n, m) -> None:
         )
         assert (found.makespan, found.ranks) == (run.makespan, run.ranks), costs
         assert found.dataflow_makespan == ideal.makespan, costs
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {0: [], 1: []},
+        {0: [Action(0, Op.F, 0)], 1: []},
+        {0: [], 1: [Action(1, Op.F, 0)]},
+        {0: [Action(0, Op.F, 0), Action(0, Op.W, 0)], 1: [Action(1, Op.F, 0), Action(1, Op.I, 0)]},
+    ],
+)
+def test_empty_and_broken_programs_equal_the_old_algorithms(schedule) -> None:
+    placement = SCHEDULES["1f1b"].placement(2)
+    for how in RECEIVES:
+        lowered = lower(schedule, placement, **how)
+        assert lowered == oracle.lower(schedule, placement, **how)
+        want = _outcome(lambda: oracle.simulate(lowered, placement))  # noqa: B023
+        got = _outcome(lambda: simulate(lowered, placement))  # noqa: B023
+        if isinstance(want, tuple):
+            assert got == want
+        else:
+            assert (got.makespan, got.ranks, got.waits) == (want.makespan, want.ranks, want.waits)
+    want = _outcome(lambda: oracle.dataflow(schedule, placement))
+    assert _outcome(lambda: dataflow(schedule, placement)) == want
 
 
 def _mutations(schedule, rng: random.Random, count: int):
