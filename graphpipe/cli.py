@@ -61,8 +61,8 @@ def _costs(text: str) -> Costs:
 _FULL_LIMIT = 100_000
 """Cells above which the grid is not printed and the picture not drawn without ``--full``:
 the grid of 128 ranks and 256 micro-batches (131 000 cells) is 128 columns of up to 24
-characters, the picture 128 rows; neither can be read, and they cost more than the whole
-simulation."""
+characters, the picture 128 rows; neither can be read. They cost about what the simulation
+does (256 ranks, 512 micro-batches: a 15 MB grid, 1.4 s more)."""
 
 
 def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
