@@ -1,8 +1,9 @@
 """The ``graphpipe`` command line: one function per subcommand, registered in ``_SUBCOMMANDS``.
 
 ``graphpipe schedule --ranks N --microbatches M [--schedule dualpipev|1f1b|zbv]
-[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE]`` prints a schedule and
-what the simulator finds about it. Bad input exits with code 2 and a one-line message.
+[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE] [--full]`` prints a
+schedule and what the simulator finds about it (``simulate.figures``, linear in the number of
+actions). Bad input exits with code 2 and a one-line message.
 
 ``--help``, ``--version`` and argument errors import no torch (nor numpy, nor triton): the
 parsers are built from modules that import them only when a command runs, so the command
@@ -23,21 +24,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from graphpipe.ir import format_csv
-from graphpipe.lower import lower
+from graphpipe.costs import Costs
+from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
-from graphpipe.schedules import SCHEDULES, ScheduleKind
-from graphpipe.simulate import (
-    Costs,
-    ScheduleError,
-    SimResult,
-    dataflow,
-    format_grid,
-    simulate,
-    validate,
-)
+
+if TYPE_CHECKING:  # the schedule half imports numpy: only when a command runs
+    from graphpipe.packed import Cells
+    from graphpipe.schedules import ScheduleKind
+    from graphpipe.simulate import Figures
 
 __all__ = ["main"]
 
@@ -69,6 +65,12 @@ def _costs(text: str) -> Costs:
 # --------------------------------------------------------------------------------------------
 # graphpipe schedule
 
+_FULL_LIMIT = 100_000
+"""Cells above which the grid is not printed and the picture not drawn without ``--full``:
+the grid of 128 ranks and 256 micro-batches (131 000 cells) is 128 columns of up to 24
+characters, the picture 128 rows; neither can be read. They cost about what the simulation
+does (256 ranks, 512 micro-batches: a 15 MB grid, 1.4 s more)."""
+
 
 def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -89,9 +91,9 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     )
     p.add_argument(
         "--schedule",
-        choices=sorted(SCHEDULES),
+        choices=sorted(SCHEDULE_KINDS),
         default="dualpipev",
-        help="; ".join(f"{k.name}: {k.summary}" for k in SCHEDULES.values()),
+        help="; ".join(f"{name}: {summary}" for name, summary in SCHEDULE_KINDS.items()),
     )
     p.add_argument("--format", choices=sorted(_FORMATS), default="grid", help="output format")
     p.add_argument(
@@ -108,25 +110,40 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
         metavar="PICTURE",
         help="also draw the timeline (.svg, or .png with matplotlib); its directory must exist",
     )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"print the grid and draw --out even for a schedule of more than {_FULL_LIMIT} "
+        "cells (otherwise the grid format prints a one-line note in the grid's place and --out "
+        "is refused): both are then slow and large",
+    )
     p.set_defaults(func=_cmd_schedule, parser=p)
     return p
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
+    from graphpipe.lower import lower
+    from graphpipe.packed import decode_schedule
+    from graphpipe.schedules import SCHEDULES
+    from graphpipe.simulate import ScheduleError, figures, simulate
+
     kind: ScheduleKind = SCHEDULES[args.schedule]
     costs: Costs = args.costs
     problem = check_output_file("--out", args.out) if args.out else None
     if problem is not None:
         args.parser.error(problem)
     try:
-        schedule, placement = kind(args.ranks, args.microbatches)
+        cells = kind.cells(args.ranks, args.microbatches)
     except ValueError as e:
         args.parser.error(str(e))
+    placement = kind.placement(args.ranks)
+    if args.out and len(cells) > _FULL_LIMIT and not args.full:
+        args.parser.error(
+            f"--out: the schedule has {len(cells)} cells, more than {_FULL_LIMIT}: its picture "
+            "cannot be read (--full draws it anyway)"
+        )
     try:
-        validate(schedule, placement, args.microbatches)
-        lowered = lower(schedule, placement, durations=costs.of, latency=costs.p2p)
-        result = simulate(lowered, placement, costs)
-        ideal = dataflow(schedule, placement, costs)
+        found = figures(cells, placement, args.microbatches, costs)
     except ScheduleError as e:
         print(e, file=sys.stderr)
         return 1
@@ -135,15 +152,18 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         # importtime` on a busy 2-core machine), which --help and the grid do not need.
         from graphpipe.render import write_picture
 
+        schedule = decode_schedule(cells)
+        lowered = lower(schedule, placement, durations=costs.of, latency=costs.p2p)
+        result = simulate(lowered, placement, costs)
         title = f"{kind.name}: {args.ranks} ranks, {args.microbatches} micro-batches ({costs})"
         try:
             path = write_picture(args.out, result, costs=costs, title=title, num_ranks=args.ranks)
         except (RuntimeError, ValueError, OSError) as e:
             args.parser.error(str(e))
         print(f"wrote {path}", file=sys.stderr)
-    stats = _statistics(kind, args.ranks, args.microbatches, costs, result)
-    stats["dataflow_makespan"] = ideal.makespan
-    _FORMATS[args.format](schedule, stats)
+    stats = _statistics(kind, args.ranks, args.microbatches, costs, found)
+    stats["dataflow_makespan"] = found.dataflow_makespan
+    _FORMATS[args.format](cells, stats, args.full)
     return 0
 
 
@@ -177,7 +197,7 @@ _REFERENCES: dict[str, Callable[[int, Costs], dict[str, Any]]] = {
 
 
 def _statistics(
-    kind: ScheduleKind, n: int, m: int, costs: Costs, result: SimResult
+    kind: ScheduleKind, n: int, m: int, costs: Costs, result: Figures
 ) -> dict[str, Any]:
     stats: dict[str, Any] = {
         "schedule": kind.name,
@@ -195,12 +215,23 @@ def _statistics(
     return stats
 
 
-def _print_grid(schedule: dict, stats: dict[str, Any]) -> None:
+def _print_grid(cells: Cells, stats: dict[str, Any], full: bool) -> None:
     print(
         f"{stats['schedule']}: {stats['ranks']} ranks, {stats['stages']} stages, "
         f"{stats['microbatches']} micro-batches; costs {Costs(**stats['costs'])}"
     )
-    print(format_grid({r: [str(a) for a in actions] for r, actions in schedule.items()}))
+    import numpy as np
+
+    from graphpipe.simulate import format_grid
+
+    steps = int(np.diff(cells.offsets).max(initial=0))
+    if len(cells) <= _FULL_LIMIT or full:
+        print(format_grid(cells.names()))
+    else:
+        print(
+            f"(the grid of {stats['ranks']} ranks x {steps} steps, {len(cells)} cells, is not "
+            f"printed: more than {_FULL_LIMIT}; --full prints it, --format csv writes the cells)"
+        )
     print(f"makespan {stats['makespan']:g}, mean bubble {stats['bubble_fraction']:.1%}")
     header = ("rank", "busy", "idle", "recv wait", "bubble", "peak activations", "peak pending W")
     print("  ".join(header))
@@ -232,15 +263,17 @@ def _print_grid(schedule: dict, stats: dict[str, Any]) -> None:
         )
 
 
-def _print_csv(schedule: dict, stats: dict[str, Any]) -> None:
-    sys.stdout.write(format_csv(schedule))
+def _print_csv(cells: Cells, stats: dict[str, Any], full: bool) -> None:
+    from graphpipe.ir import write_csv
+
+    write_csv((names for _, names in cells.rows()), sys.stdout)
 
 
-def _print_json(schedule: dict, stats: dict[str, Any]) -> None:
+def _print_json(cells: Cells, stats: dict[str, Any], full: bool) -> None:
     print(json.dumps(stats, indent=2))
 
 
-_FORMATS: dict[str, Callable[[dict, dict[str, Any]], None]] = {
+_FORMATS: dict[str, Callable[[Cells, dict[str, Any], bool], None]] = {
     "grid": _print_grid,
     "csv": _print_csv,
     "json": _print_json,

@@ -1,10 +1,13 @@
-"""The schedule as data: ``Op``, ``Action`` and per-rank programs.
+"""The schedule as data: ``Op``, ``Action``, per-rank programs and where the stages live.
 
 String forms follow ``torch.distributed.pipelining`` (``{stage}{op}{microbatch}``):
 ``0F3``, ``7I2``, ``5W1``, ``1SEND_F3`` and ``(0F5;7B2)OVERLAP_F_B`` for an overlap pair.
 A compute-only schedule is ``{rank: [Action, ...]}``; CSV files hold one row per rank in
 torch's compute-only format, so a file written by torch's ``_dump_csv`` loads here and ours
 loads there.
+
+A ``Placement`` says which rank runs which stage: every pass below (``schedules``, ``timing``,
+``lower``, ``simulate``, ``render``) and the runtime read it, so it lives here, under them.
 """
 
 from __future__ import annotations
@@ -13,19 +16,34 @@ import csv
 import enum
 import io
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 __all__ = [
+    "SCHEDULE_KINDS",
+    "WAIT_PREFIX",
     "Action",
     "Op",
+    "Placement",
     "Schedule",
     "dump_csv",
     "format_csv",
     "load_csv",
     "parse_csv",
+    "stage_to_rank",
+    "write_csv",
 ]
+
+
+SCHEDULE_KINDS: dict[str, str] = {
+    "dualpipev": "DeepSeek DualPipeV: 2N stages, M >= 2N",
+    "1f1b": "classic 1F1B: N stages, one per rank",
+    "zbv": "zero-bubble ZB-V: 2N stages in a V, I/W split",
+}
+"""The built-in schedules by name, each with a line for help texts (their generators:
+``graphpipe.schedules.SCHEDULES``; here so that a command-line parser needs no generator)."""
 
 
 class Op(str, enum.Enum):
@@ -132,14 +150,25 @@ class Action:
 Schedule = dict[int, list[Action]]
 """Per-rank programs: ``{rank: [Action, ...]}`` with ranks 0 .. N-1."""
 
+WAIT_PREFIX = "wait "
+"""The label of time a rank spent waiting for messages starts with this, followed by what it
+waited for (``wait 1RECV_F3 6RECV_B2``): the simulator's waits, the runtime's ranges and the
+pictures all use it."""
+
 
 def format_csv(schedule: Mapping[int, Sequence[Action | None]]) -> str:
     """Torch's compute-only CSV: one row per rank, in rank order, empty cell for idle."""
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\r\n")  # csv.writer's default, as torch writes
-    for rank in sorted(schedule):
-        writer.writerow(["" if a is None else str(a) for a in schedule[rank]])
+    write_csv((schedule[rank] for rank in sorted(schedule)), buf)
     return buf.getvalue()
+
+
+def write_csv(rows: Iterable[Sequence[Action | str | None]], out: TextIO) -> None:
+    """Write ``rows`` (one per rank, in rank order: actions or their strings, None for idle)
+    to ``out`` in torch's compute-only CSV format, one row at a time."""
+    writer = csv.writer(out, lineterminator="\r\n")  # csv.writer's default, as torch writes
+    for row in rows:
+        writer.writerow(["" if a is None else str(a) for a in row])
 
 
 def parse_csv(text: str | Iterable[str]) -> Schedule:
@@ -168,3 +197,101 @@ def load_csv(path: str | Path) -> Schedule:
     """Read a compute-only CSV written by torch's ``_dump_csv`` or by ``dump_csv``."""
     with open(path, newline="") as f:
         return parse_csv(f.read())
+
+
+# --------------------------------------------------------------------------------------------
+# Placement: which rank runs which stage
+
+
+def _v_rank(stage: int, num_ranks: int) -> int:
+    return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
+
+
+def _loop_rank(stage: int, num_ranks: int) -> int:
+    return stage % num_ranks
+
+
+_STYLES: dict[str, Callable[[int, int], int]] = {"v": _v_rank, "loop": _loop_rank}
+"""Placement styles: ``v`` folds 2N stages into a V; ``loop`` deals stages round-robin."""
+
+
+def stage_to_rank(stage: int, num_ranks: int, style: str) -> int:
+    """The rank holding ``stage`` under ``style`` (``"v"``: 2N stages, ``"loop"``: round-robin).
+
+    ``v``: stage ``s < N`` on rank ``s``, stage ``s >= N`` on rank ``2N-1-s``.
+    ``loop``: stage ``s`` on rank ``s % N`` (with N stages: one stage per rank).
+    """
+    if style not in _STYLES:
+        raise ValueError(f"unknown placement style {style!r}: expected one of {sorted(_STYLES)}")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if stage < 0 or (style == "v" and stage >= 2 * num_ranks):
+        limit = f"0 .. {2 * num_ranks - 1}" if style == "v" else ">= 0"
+        raise ValueError(f"stage must be {limit} for style {style!r}, got {stage}")
+    return _STYLES[style](stage, num_ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Which rank holds which stage.
+
+    num_ranks: pipeline ranks, 0 .. num_ranks-1.
+    num_stages: model stages (chunks), 0 .. num_stages-1, in data-flow order.
+    stage_to_rank: ``stage_to_rank[s]`` is the rank that runs stage ``s``.
+    """
+
+    num_ranks: int
+    num_stages: int
+    stage_to_rank: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1 or self.num_stages < 1:
+            raise ValueError(
+                f"a placement needs num_ranks >= 1 and num_stages >= 1, "
+                f"got {self.num_ranks} and {self.num_stages}"
+            )
+        if len(self.stage_to_rank) != self.num_stages:
+            raise ValueError(
+                f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages"
+            )
+        if bad := [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]:
+            raise ValueError(f"stage_to_rank names ranks {bad} outside 0 .. {self.num_ranks - 1}")
+
+    @classmethod
+    def from_style(cls, num_ranks: int, style: str, stages_per_rank: int = 1) -> Placement:
+        """``num_ranks * stages_per_rank`` stages placed by ``style`` (see ``stage_to_rank``)."""
+        if style == "v" and stages_per_rank != 2:
+            raise ValueError(f"style 'v' places 2 stages per rank, got {stages_per_rank}")
+        num_stages = num_ranks * stages_per_rank
+        ranks = tuple(stage_to_rank(s, num_ranks, style) for s in range(num_stages))
+        return cls(num_ranks, num_stages, ranks)
+
+    @classmethod
+    def from_schedule(cls, schedule: Mapping[int, Sequence[Action]]) -> Placement:
+        """The placement a compute-only schedule implies (each stage on the rank that runs it)."""
+        owner: dict[int, int] = {}
+        for rank, actions in schedule.items():
+            for cell in actions:
+                for part in cell.parts():
+                    if owner.setdefault(part.stage, rank) != rank:
+                        raise ValueError(
+                            f"stage {part.stage} runs on ranks {owner[part.stage]} and {rank}"
+                        )
+        num_stages = max(owner, default=-1) + 1
+        if missing := sorted(set(range(num_stages)) - set(owner)):
+            raise ValueError(f"no rank runs stages {missing}")
+        num_ranks = max(schedule, default=-1) + 1
+        return cls(num_ranks, num_stages, tuple(owner[s] for s in range(num_stages)))
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs ``stage``."""
+        return self.stage_to_rank[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, ascending."""
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    @property
+    def last_stage(self) -> int:
+        """The stage that computes the loss."""
+        return self.num_stages - 1

@@ -37,6 +37,10 @@ posted, since a transfer starts only once both of its ends are posted:
    runtime's default on gloo, whose rendezvous makes a send that comes before its receive
    wait for a hop through the sender's device thread (``Pipeline(receives=...)``).
 
+``lower`` and ``post_receives_early`` take and give ``Action`` and ``Step`` objects;
+``lower_cells`` and ``post_receives_early_cells`` do the work, on ``graphpipe.packed`` arrays,
+a chunk of ranks at a time (linear in the number of actions).
+
 ``transfers`` groups the messages of each directed rank pair into *transfers*: the longest
 runs of consecutive messages that leave in one batch of the sender and arrive in one batch of
 the receiver. A transfer is one group of P2P ops (one NCCL group, one gloo packet) at both
@@ -45,27 +49,33 @@ ends, so both ends group every message the same way by construction.
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from graphpipe.ir import Action, Op, Schedule
-from graphpipe.schedules import Placement
-from graphpipe.timing import Durations, dataflow_times
+import numpy as np
+
+from graphpipe import packed
+from graphpipe.ir import Action, Op, Placement, Schedule
+from graphpipe.packed import Cells, Programs
+from graphpipe.timing import CellTimes, Durations, cell_times
 
 __all__ = [
     "RECEIVES",
     "Step",
     "Transfer",
     "channel",
+    "comm_codes",
     "comms_needed",
     "comms_produced",
+    "decode_programs",
     "forward_only",
     "lower",
+    "lower_cells",
     "matching",
     "peer",
     "post_receives_early",
+    "post_receives_early_cells",
     "transfers",
 ]
 
@@ -160,30 +170,178 @@ def lower(
     """
     if receives not in RECEIVES:
         raise ValueError(f"receives must be one of {RECEIVES}, got {receives!r}")
-    lowered = _lower_plain(schedule, placement)
+    cells = packed.encode_schedule(schedule)
+    flat = [c for r in cells.ranks for c in schedule[r]]
+    _check_compute_only(cells)
+    timed = early_receives and receives == "timed"
+    costs = _costs_of(flat, durations) if timed else None
+    programs = lower_cells(
+        cells,
+        placement,
+        durations=costs,
+        latency=latency,
+        early_receives=early_receives,
+        receives=receives,
+    )
+    return decode_programs(programs, flat)
+
+
+def lower_cells(
+    cells: Cells,
+    placement: Placement,
+    *,
+    durations: np.ndarray | None = None,
+    latency: float = 0.0,
+    early_receives: bool = True,
+    receives: str = "timed",
+) -> Programs:
+    """``lower`` on ``packed.Cells``; ``durations[i]`` is the time of cell ``i`` (needed for
+    ``receives="timed"``)."""
+    if receives not in RECEIVES:
+        raise ValueError(f"receives must be one of {RECEIVES}, got {receives!r}")
+    programs, step_cell = _lower_plain(cells, placement)
     if not early_receives:
-        return lowered
-    return post_receives_early(lowered, placement, durations, latency, at_start=receives == "start")
+        return programs
+    if receives == "start":
+        return post_receives_early_cells(programs, placement, None)
+    if durations is None:
+        raise ValueError("lower_cells(receives='timed') needs the durations of the cells")
+    costs = np.where(step_cell >= 0, np.asarray(durations, dtype=np.float64)[step_cell], 0.0)
+    times = cell_times(programs.steps, placement, costs, latency)
+    return post_receives_early_cells(programs, placement, times)
 
 
-def _lower_plain(
-    schedule: Mapping[int, Sequence[Action]], placement: Placement
+def _costs_of(cells: Sequence[Action | None], durations: Durations | None) -> np.ndarray:
+    cost = durations or _default_duration
+    return np.asarray([0.0 if c is None else cost(c) for c in cells], dtype=np.float64)
+
+
+def comm_codes(codes: np.ndarray, placement: Placement, mb: int) -> tuple[np.ndarray, np.ndarray]:
+    """``comms_needed`` and ``comms_produced`` on codes: per plain action code (-1: none), the
+    code of the receive it needs and of the send it produces (-1: none)."""
+    stages = placement.num_stages
+    owner = np.asarray(placement.stage_to_rank, dtype=np.int64)
+    # per stage: whether the stage before / after it is on another rank (last entry: a stage
+    # outside the placement, or the -1 of no code)
+    before, after = np.zeros(stages + 1, dtype=bool), np.zeros(stages + 1, dtype=bool)
+    before[1:stages] = owner[:-1] != owner[1:]
+    after[: stages - 1] = owner[1:] != owner[:-1]
+    op, key = codes & 7, codes >> 3
+    stage = np.minimum(key // mb, stages)
+    forward = (codes >= 0) & (op == packed.F)
+    backward = (codes >= 0) & ((op == packed.B) | (op == packed.I))
+    base = key * 8
+    recv = np.where(
+        forward & before[stage],
+        base + packed.RECV_F,
+        np.where(backward & after[stage], base + packed.RECV_B, -1),
+    )
+    send = np.where(
+        forward & after[stage],
+        base + packed.SEND_F,
+        np.where(backward & before[stage], base + packed.SEND_B, -1),
+    )
+    return recv, send
+
+
+def _check_compute_only(cells: Cells) -> None:
+    bad = np.flatnonzero((cells.first < 0) | ((cells.first & 7) > packed.W))
+    if len(bad):
+        i = int(bad[0])
+        rank = cells.ranks[int(np.searchsorted(cells.offsets, i, side="right")) - 1]
+        cell = packed.cell_of(int(cells.first[i]), int(cells.second[i]), cells.mb_bound)
+        raise ValueError(f"lower() takes a compute-only schedule, got {cell} on rank {rank}")
+
+
+def _lower_plain(cells: Cells, placement: Placement) -> tuple[Programs, np.ndarray]:
+    """The plain rule on ``Cells``, a chunk of ranks at a time; also, per step, the index of
+    its cell (-1: a flush)."""
+    _check_compute_only(cells)
+    pieces = [_lower_ranks(cells.part(lo, hi), placement) for lo, hi in cells.chunks()]
+    step_sizes = np.concatenate([np.diff(p.steps.offsets) for p, _ in pieces])
+    step_offsets = np.zeros(len(step_sizes) + 1, dtype=np.int64)
+    np.cumsum(step_sizes, out=step_offsets[1:])
+    counts = np.concatenate([np.diff(p.comm_offsets) for p, _ in pieces])
+    comm_offsets = packed.offsets_of(counts)
+    base = cells.offsets[[lo for lo, _ in cells.chunks()]]
+    step_cell = np.concatenate(
+        [np.where(c >= 0, c + b, -1) for (_, c), b in zip(pieces, base.tolist())]
+    )
+    steps = Cells(
+        cells.ranks,
+        step_offsets,
+        np.concatenate([p.steps.first for p, _ in pieces]),
+        np.concatenate([p.steps.second for p, _ in pieces]),
+        cells.mb_bound,
+    )
+    return Programs(steps, comm_offsets, np.concatenate([p.comms for p, _ in pieces])), step_cell
+
+
+def _lower_ranks(cells: Cells, placement: Placement) -> tuple[Programs, np.ndarray]:
+    """``_lower_plain`` of some ranks' cells (cell indices from 0)."""
+    recv_a, send_a = comm_codes(cells.first, placement, cells.mb_bound)
+    recv_b, send_b = comm_codes(cells.second, placement, cells.mb_bound)
+    sizes = np.diff(cells.offsets)
+    last = cells.offsets[1:] - 1
+    flush = np.zeros(len(sizes), dtype=bool)
+    if len(cells):  # a rank whose last compute sends gets a final flush
+        at = np.maximum(last, 0)
+        flush = (sizes > 0) & ((send_a[at] >= 0) | (send_b[at] >= 0))
+    step_sizes = sizes + flush
+    step_offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(step_sizes, out=step_offsets[1:])
+    total = int(step_offsets[-1])
+    # each step: its cell (-1 for a flush) and the cell before it on its rank (-1 for none)
+    step_cell = np.full(total, -1, dtype=np.int32 if len(cells) < 2**31 else np.int64)
+    within = np.arange(len(cells)) - np.repeat(cells.offsets[:-1], sizes)
+    step_cell[np.repeat(step_offsets[:-1], sizes) + within] = np.arange(len(cells))
+    before = np.full(total, -1, dtype=np.int64)
+    is_cell = step_cell >= 0
+    first_step = np.zeros(total, dtype=bool)
+    first_step[step_offsets[:-1][step_sizes > 0]] = True
+    before[1:] = np.where(first_step[1:], -1, np.where(is_cell[:-1], step_cell[:-1], -1))
+    flush_at = step_offsets[1:][flush] - 1
+    before[flush_at] = last[flush]
+
+    def at(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return np.where(index >= 0, values[np.maximum(index, 0)], -1)
+
+    # a step's batch: the sends of the cell before it, then the receives of its cell
+    slots = np.stack(
+        [at(send_a, before), at(send_b, before), at(recv_a, step_cell), at(recv_b, step_cell)],
+        axis=1,
+    )
+    present = slots >= 0
+    comm_offsets = packed.offsets_of(present.sum(axis=1))
+    steps = Cells(
+        cells.ranks,
+        step_offsets,
+        at(cells.first, step_cell),
+        at(cells.second, step_cell),
+        cells.mb_bound,
+    )
+    return Programs(steps, comm_offsets, slots[present]), step_cell
+
+
+def decode_programs(
+    programs: Programs, computes: Sequence[Action] | None = None
 ) -> dict[int, list[Step]]:
-    lowered: dict[int, list[Step]] = {}
-    for rank in sorted(schedule):
-        steps: list[Step] = []
-        pending_sends: tuple[Action, ...] = ()
-        for compute in schedule[rank]:
-            if not compute.is_compute:
-                raise ValueError(
-                    f"lower() takes a compute-only schedule, got {compute} on rank {rank}"
-                )
-            steps.append(Step(pending_sends + comms_needed(compute, placement), compute))
-            pending_sends = comms_produced(compute, placement)
-        if pending_sends:
-            steps.append(Step(pending_sends, None))
-        lowered[rank] = steps
-    return lowered
+    """``Programs`` as Steps. ``computes``: the objects to use for the steps' computes that
+    are not None, in step order (default: new ones, decoded)."""
+    steps, mb = programs.steps, programs.steps.mb_bound
+    comms = [packed.action_of(c, mb) for c in programs.comms.tolist()]
+    bounds = programs.comm_offsets.tolist()
+    if computes is None:
+        computes = [c for cells in steps.decode().values() for c in cells if c is not None]
+    flat = iter(computes)
+    out: dict[int, list[Step]] = {}
+    first = steps.first.tolist()
+    for r, lo, hi in zip(steps.ranks, steps.offsets[:-1].tolist(), steps.offsets[1:].tolist()):
+        out[r] = [
+            Step(tuple(comms[bounds[g] : bounds[g + 1]]), None if first[g] < 0 else next(flat))
+            for g in range(lo, hi)
+        ]
+    return out
 
 
 def channel(action: Action) -> tuple[int, int]:
@@ -255,52 +413,103 @@ def post_receives_early(
     Sends never move; receives only move earlier. Pure: returns new Steps. A receive whose
     data cannot be timed (a dependency cycle) stays where it is, for ``simulate`` to report.
     """
-    cells = {r: [s.compute for s in steps] for r, steps in lowered.items()}
-    times = dataflow_times(cells, placement, durations or _default_duration, latency)
-    # The batch of step k is issued when compute k-1 ends (at 0 for k = 0).
-    issued = {r: [0.0] + times.ends[r][:-1] for r in lowered}
-    sent_at: dict[Action, tuple[int, int]] = {}  # a send -> (its step, place in the batch)
-    for steps in lowered.values():
-        for k, step in enumerate(steps):
-            for i, c in enumerate(step.comms):
-                if c.op in _SENDS:
-                    sent_at[c] = (k, i)
-    where: dict[Action, int] = {}  # a receive -> its batch
-    on_edge: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    for r, steps in lowered.items():
-        for k, step in enumerate(steps):
-            for c in step.comms:
-                if c.op in _SENDS:
-                    continue
-                where[c] = k
-                on_edge[_edge(c, r, placement)].append(c)
-                if at_start:
-                    where[c] = 0
-                    continue
-                ready = times.done.get(_sent_data(c))
-                if ready is not None and k < len(issued[r]):
-                    where[c] = max(0, bisect.bisect_right(issued[r], ready, hi=k + 1) - 1)
-    for recvs in on_edge.values():
-        recvs.sort(key=lambda c: sent_at.get(matching(c), (len(where), 0)))
-        for later, earlier in zip(reversed(recvs), list(reversed(recvs))[1:]):
-            where[earlier] = min(where[earlier], where[later])
-    out: dict[int, list[Step]] = {}
-    for r, steps in lowered.items():
-        batches: list[list[Action]] = [[c for c in s.comms if c.op in _SENDS] for s in steps]
-        recvs = sorted(
-            (c for s in steps for c in s.comms if c.op not in _SENDS),
-            key=lambda c: sent_at.get(matching(c), (len(where), 0)),
-        )
-        for c in recvs:
-            batches[where[c]].append(c)
-        out[r] = [Step(tuple(b), s.compute) for b, s in zip(batches, steps, strict=True)]
-    return out
+    programs, computes = packed.encode_lowered(lowered)
+    times = None
+    if not at_start:
+        costs = _costs_of(computes, durations)
+        times = cell_times(programs.steps, placement, costs, latency)
+    moved = post_receives_early_cells(programs, placement, times)
+    return decode_programs(moved, [c for c in computes if c is not None])
 
 
-def _sent_data(recv: Action) -> tuple[Op, int, int]:
-    """What the matching send carries, in ``dataflow_times``' terms."""
-    send = matching(recv)
-    return (Op.F if send.op is Op.SEND_F else Op.B, send.stage, send.microbatch)
+def post_receives_early_cells(
+    programs: Programs, placement: Placement, times: CellTimes | None
+) -> Programs:
+    """``post_receives_early`` on ``Programs``, timed by ``times`` (``timing.cell_times`` of
+    the programs' steps); ``times=None`` posts every receive at the start.
+
+    Works a chunk of ranks at a time (``Programs.chunks``): what a receive needs from other
+    ranks is where its matching send is posted, looked up in one table of all sends.
+    """
+    steps, mb, codes = programs.steps, programs.steps.mb_bound, programs.comms
+    op = codes & 7
+    is_send = (op == packed.SEND_F) | (op == packed.SEND_B)
+    # every send's slot (key, direction) -> the last comm that posts it; every receive's slot
+    slots = (max(steps.stage_bound(), placement.num_stages) + 2) * mb * 2
+    sends = np.flatnonzero(is_send)
+    sent = packed.last_at(slots, (codes[sends] >> 3) * 2 + (op[sends] == packed.SEND_B), sends)
+    received = np.zeros(slots, dtype=bool)
+    recvs = np.flatnonzero(~is_send)
+    received[(codes[recvs] >> 3) * 2 + (op[recvs] == packed.RECV_B)] = True
+    distinct = int(np.count_nonzero(received))  # receives that are not the same action
+    del sends, recvs, received, op, is_send
+    first_step = steps.offsets[:-1]
+    widest = int(np.diff(programs.comm_offsets).max(initial=0))  # places in a batch: < widest
+    # where each send is posted: (its step k on its rank, its place i in the batch) as one
+    # number, k * widest + i, per slot (for the last comm that posts it)
+    sent_at = np.full(slots, -1, dtype=np.int64)
+    chunks = programs.chunks()
+    for lo, hi in chunks:
+        g0, g1 = int(steps.offsets[lo]), int(steps.offsets[hi])
+        c0, c1 = int(programs.comm_offsets[g0]), int(programs.comm_offsets[g1])
+        chunk, step = codes[c0:c1], programs.comm_step(g0, g1)
+        mine = np.flatnonzero(((chunk & 7) == packed.SEND_F) | ((chunk & 7) == packed.SEND_B))
+        slot = (chunk[mine] >> 3) * 2 + ((chunk[mine] & 7) == packed.SEND_B)
+        last = sent[slot] == c0 + mine
+        at_step = step[mine[last]]
+        rank = np.searchsorted(steps.offsets, at_step, side="right") - 1
+        place = c0 + mine[last] - programs.comm_offsets[at_step]
+        sent_at[slot[last]] = (at_step - first_step[rank]) * widest + place
+    new_codes, counts = [], []
+    for lo, hi in chunks:
+        g0, g1 = int(steps.offsets[lo]), int(steps.offsets[hi])
+        c0, c1 = int(programs.comm_offsets[g0]), int(programs.comm_offsets[g1])
+        chunk = codes[c0:c1]
+        step = programs.comm_step(g0, g1)
+        rank = np.searchsorted(steps.offsets, step, side="right") - 1  # rank index of a comm
+        local = step - first_step[rank]  # k on its rank
+        is_recv = ((chunk & 7) == packed.RECV_F) | ((chunk & 7) == packed.RECV_B)
+        recv = np.flatnonzero(is_recv)
+        r_key, forward = chunk[recv] >> 3, (chunk[recv] & 7) == packed.RECV_F
+        # the matching send: where it is posted (sender's k, i); none: (distinct, 0)
+        sent_key = sent_at[np.where(forward, (r_key - mb) * 2, (r_key + mb) * 2 + 1)]
+        sent_key = np.where(sent_key >= 0, sent_key, distinct * widest)
+        # where each receive goes: the last batch issued no later than its data is sent
+        where = local[recv]
+        if times is None:
+            where[:] = 0
+        else:
+            ready = times.done[np.where(forward, r_key - mb, r_key + mb) * 2 + ~forward]
+            bounds = np.searchsorted(rank[recv], np.arange(lo, hi + 1)).tolist()
+            for i in range(lo, hi):
+                a, n = int(steps.offsets[i]), int(times.timed[i])
+                issued = np.concatenate([[0.0], times.ends[a : a + n - 1]])  # batch k's time
+                mine = np.arange(bounds[i - lo], bounds[i - lo + 1])
+                mine = mine[~np.isnan(ready[mine]) & (where[mine] < len(issued))]
+                if len(mine):
+                    k = where[mine]
+                    found_at = np.searchsorted(issued, ready[mine], side="right")
+                    where[mine] = np.maximum(0, np.minimum(found_at, k + 1) - 1)
+        # per directed rank pair, in send order: a receive goes no later than any after it
+        owner = np.asarray(placement.stage_to_rank, dtype=np.int64)
+        peer = owner[np.where(forward, r_key // mb - 1, r_key // mb + 1)]
+        edge = peer * (len(owner) + 1) + rank[recv]
+        by_edge = np.argsort(edge * (int(sent_key.max(initial=0)) + 1) + sent_key, kind="stable")
+        group = np.concatenate([[0], np.cumsum(edge[by_edge][1:] != edge[by_edge][:-1])])
+        span = int(where.max(initial=0)) + 1
+        shifted = where[by_edge] + group * span
+        where[by_edge] = np.minimum.accumulate(shifted[::-1])[::-1] - group * span
+        # each batch: its sends as they were, then the receives by (sender's k, i)
+        new_step = step.copy()
+        new_step[recv] = step[recv] - local[recv] + where
+        tie = np.zeros(len(chunk), dtype=np.int64)
+        tie[recv] = sent_key + 1
+        order = ((new_step - g0) * (int(tie.max(initial=0)) + 1)) + tie  # a send: tie 0
+        final = np.argsort(order, kind="stable")
+        new_codes.append(chunk[final])
+        counts.append(np.bincount(new_step - g0, minlength=g1 - g0))
+    comm_offsets = packed.offsets_of(np.concatenate(counts or [np.zeros(0, np.int64)]))
+    return Programs(steps, comm_offsets, np.concatenate(new_codes or [codes[:0]]))
 
 
 # --------------------------------------------------------------------------------------------

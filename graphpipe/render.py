@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from graphpipe.ir import Action
-from graphpipe.profile.ranges import WAIT_PREFIX
-from graphpipe.schedules import Placement
+from graphpipe.ir import WAIT_PREFIX, Action, Placement
+from graphpipe.lower import lower
+from graphpipe.simulate import Costs, simulate
 
 __all__ = ["render_svg", "render_timelines", "write_picture"]
 
@@ -151,11 +151,7 @@ def _box(record: Any, costs: Any = None) -> _Box:
 
 
 def _default_costs(costs: Any) -> Any:
-    if costs is not None:
-        return costs
-    from graphpipe.simulate import Costs  # local: simulate imports lowering
-
-    return Costs()
+    return Costs() if costs is None else costs
 
 
 def _boxes(source: Any, placement: Placement | None, costs: Any) -> list[_Box]:
@@ -163,10 +159,6 @@ def _boxes(source: Any, placement: Placement | None, costs: Any) -> list[_Box]:
     split by ``costs`` (default ``simulate.Costs()``)."""
     costs = _default_costs(costs)
     if isinstance(source, Mapping):
-        # local imports: lowering and simulating are only needed for a bare schedule
-        from graphpipe.lower import lower
-        from graphpipe.simulate import simulate
-
         placement = placement or Placement.from_schedule(source)
         source = simulate(lower(source, placement, durations=costs.of), placement, costs)
     records = getattr(source, "timeline", source)

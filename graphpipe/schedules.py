@@ -2,7 +2,8 @@
 
 Each generator is a pure function ``(num_ranks, num_microbatches) -> Schedule`` returning the
 compute-only per-rank programs (no communication; ``lower.lower`` adds it). Where the stages
-live is a ``Placement``; ``SCHEDULES`` maps a schedule's name to its generator and placement:
+live is an ``ir.Placement``; ``SCHEDULES`` maps a schedule's name to its generator and
+placement:
 
 ==========  ============  =====================================================
 name        stages        placement
@@ -14,177 +15,159 @@ zbv         2N            V, as above (the zero-bubble paper's ZB-V)
 
 Micro-batch numbers in the generated actions increase by one per (stage, op kind), starting
 at 0; each deferred weight-gradient action ``W`` names its stage and micro-batch explicitly.
+
+A generator does not check what it built: ``simulate.validate`` and ``simulate.dataflow`` do
+(the tests run them on every generator), and ``simulate.resolve_schedule`` runs them on what
+a pipeline is given.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphpipe.ir import Action, Op, Schedule
+import numpy as np
+
+from graphpipe import packed
+from graphpipe.ir import SCHEDULE_KINDS, Placement, Schedule
+from graphpipe.packed import Cells
 
 __all__ = [
     "SCHEDULES",
-    "Placement",
     "ScheduleKind",
     "dualpipev",
     "one_f_one_b",
-    "resolve_schedule",
-    "stage_to_rank",
     "zbv",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Placement
-
-
-def _v_rank(stage: int, num_ranks: int) -> int:
-    return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
-
-
-def _loop_rank(stage: int, num_ranks: int) -> int:
-    return stage % num_ranks
-
-
-_STYLES: dict[str, Callable[[int, int], int]] = {"v": _v_rank, "loop": _loop_rank}
-"""Placement styles: ``v`` folds 2N stages into a V; ``loop`` deals stages round-robin."""
-
-
-def stage_to_rank(stage: int, num_ranks: int, style: str) -> int:
-    """The rank holding ``stage`` under ``style`` (``"v"``: 2N stages, ``"loop"``: round-robin).
-
-    ``v``: stage ``s < N`` on rank ``s``, stage ``s >= N`` on rank ``2N-1-s``.
-    ``loop``: stage ``s`` on rank ``s % N`` (with N stages: one stage per rank).
-    """
-    if style not in _STYLES:
-        raise ValueError(f"unknown placement style {style!r}: expected one of {sorted(_STYLES)}")
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if stage < 0 or (style == "v" and stage >= 2 * num_ranks):
-        limit = f"0 .. {2 * num_ranks - 1}" if style == "v" else ">= 0"
-        raise ValueError(f"stage must be {limit} for style {style!r}, got {stage}")
-    return _STYLES[style](stage, num_ranks)
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Which rank holds which stage.
-
-    num_ranks: pipeline ranks, 0 .. num_ranks-1.
-    num_stages: model stages (chunks), 0 .. num_stages-1, in data-flow order.
-    stage_to_rank: ``stage_to_rank[s]`` is the rank that runs stage ``s``.
-    """
-
-    num_ranks: int
-    num_stages: int
-    stage_to_rank: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.num_ranks < 1 or self.num_stages < 1:
-            raise ValueError(
-                f"a placement needs num_ranks >= 1 and num_stages >= 1, "
-                f"got {self.num_ranks} and {self.num_stages}"
-            )
-        if len(self.stage_to_rank) != self.num_stages:
-            raise ValueError(
-                f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages"
-            )
-        if bad := [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]:
-            raise ValueError(f"stage_to_rank names ranks {bad} outside 0 .. {self.num_ranks - 1}")
-
-    @classmethod
-    def from_style(cls, num_ranks: int, style: str, stages_per_rank: int = 1) -> Placement:
-        """``num_ranks * stages_per_rank`` stages placed by ``style`` (see ``stage_to_rank``)."""
-        if style == "v" and stages_per_rank != 2:
-            raise ValueError(f"style 'v' places 2 stages per rank, got {stages_per_rank}")
-        num_stages = num_ranks * stages_per_rank
-        ranks = tuple(stage_to_rank(s, num_ranks, style) for s in range(num_stages))
-        return cls(num_ranks, num_stages, ranks)
-
-    @classmethod
-    def from_schedule(cls, schedule: Mapping[int, Sequence[Action]]) -> Placement:
-        """The placement a compute-only schedule implies (each stage on the rank that runs it)."""
-        owner: dict[int, int] = {}
-        for rank, actions in schedule.items():
-            for cell in actions:
-                for part in cell.parts():
-                    if owner.setdefault(part.stage, rank) != rank:
-                        raise ValueError(
-                            f"stage {part.stage} runs on ranks {owner[part.stage]} and {rank}"
-                        )
-        num_stages = max(owner, default=-1) + 1
-        if missing := sorted(set(range(num_stages)) - set(owner)):
-            raise ValueError(f"no rank runs stages {missing}")
-        num_ranks = max(schedule, default=-1) + 1
-        return cls(num_ranks, num_stages, tuple(owner[s] for s in range(num_stages)))
-
-    def rank_of(self, stage: int) -> int:
-        """The rank that runs ``stage``."""
-        return self.stage_to_rank[stage]
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages ``rank`` runs, ascending."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
-
-    @property
-    def last_stage(self) -> int:
-        """The stage that computes the loss."""
-        return self.num_stages - 1
 
 
 # --------------------------------------------------------------------------------------------
 # A small helper that numbers micro-batches and tracks deferred weight gradients
 
 
-class _RankProgram:
-    """Builds one rank's action list.
+@dataclass(frozen=True, eq=False)
+class _Column:
+    """One column of a phase: a code per row; ``pending`` marks the I's whose W is deferred;
+    ``w_stage`` (None: the oldest of any stage) for a column of W's, whose codes ``emit``
+    fills in."""
 
-    Micro-batch numbers are handed out per (stage, forward/backward); every ``I`` is appended
-    to a pending list and each ``W`` names the oldest pending entry (optionally of one stage).
+    codes: np.ndarray
+    pending: np.ndarray | None = None
+    w_stage: int | None = None
+    is_w: bool = False
+
+
+class _RankProgram:
+    """Builds one rank's program as codes (``graphpipe.packed``), a phase at a time.
+
+    ``f`` / ``b`` hand out the next micro-batches of a stage (``count`` of them, one per row of
+    the phase), ``w`` the W of the oldest pending I's (of one stage when given); ``emit``
+    appends a phase: row by row, its cells in the order given (a pair is an overlap pair).
+    Micro-batch numbers are handed out per (stage, forward/backward). A phase's I's are
+    queued (row by row) before its W's are taken, oldest first: what queueing and taking
+    them row by row gives, since a W never finds the queue empty there either.
     """
 
-    def __init__(self) -> None:
-        self.actions: list[Action] = []
+    def __init__(self, mb_bound: int) -> None:
+        self.mb_bound = mb_bound
+        self.first: list[np.ndarray] = []  # per phase, the cells' codes (a pair: its F)
+        self.second: list[np.ndarray] = []  # a pair's B or I; -1 for a plain cell
         self._next_f: dict[int, int] = {}
         self._next_b: dict[int, int] = {}
-        self._pending: deque[tuple[int, int]] = deque()
+        self._queue: list[tuple[int, int]] = []  # (stage, mb) of pending I's, oldest first
+        self._taken = 0  # how many of the queue the W's of any stage took
+        self._by_stage: dict[int, list[int]] = {}  # stage -> its pending mbs, oldest first
+        self._taken_of: dict[int, int] = {}
 
-    def f(self, stage: int) -> Action:
-        """The next forward of ``stage`` (not yet emitted)."""
+    def _codes(self, stage: int, op: int, mbs: np.ndarray) -> np.ndarray:
+        return (stage * self.mb_bound + mbs) * 8 + op
+
+    def f(self, stage: int, count: int = 1) -> _Column:
+        """The next ``count`` forwards of ``stage``."""
         mb = self._next_f.get(stage, 0)
-        self._next_f[stage] = mb + 1
-        return Action(stage, Op.F, mb)
+        self._next_f[stage] = mb + count
+        return _Column(self._codes(stage, packed.F, np.arange(mb, mb + count)))
 
-    def b(self, stage: int, defer_w: bool = False) -> Action:
-        """The next backward of ``stage``: ``I`` (W deferred) if ``defer_w`` else a full ``B``."""
+    def b(self, stage: int, count: int = 1, defer_w: bool | np.ndarray = False) -> _Column:
+        """The next ``count`` backwards of ``stage``: ``I`` (W deferred) where ``defer_w``,
+        else a full ``B``."""
         mb = self._next_b.get(stage, 0)
-        self._next_b[stage] = mb + 1
-        if defer_w:
-            self._pending.append((stage, mb))
-            return Action(stage, Op.I, mb)
-        return Action(stage, Op.B, mb)
+        self._next_b[stage] = mb + count
+        mbs = np.arange(mb, mb + count)
+        defer = np.broadcast_to(np.asarray(defer_w, dtype=bool), (count,))
+        codes = self._codes(stage, packed.B, mbs)
+        codes[defer] = self._codes(stage, packed.I, mbs[defer])
+        return _Column(codes, pending=defer)
 
-    def w(self, stage: int | None = None) -> Action:
-        """The ``W`` of the oldest pending ``I`` (of ``stage`` when given)."""
-        if stage is None:
-            s, mb = self._pending.popleft()
+    def w(self, count: int = 1, stage: int | None = None) -> _Column:
+        """The W of the ``count`` oldest pending I's (of ``stage`` when given)."""
+        return _Column(np.zeros(count, dtype=np.int64), w_stage=stage, is_w=True)
+
+    def pending(self, stage: int) -> int:
+        """How many I's of ``stage`` still wait for their W."""
+        return len(self._by_stage.get(stage, ())) - self._taken_of.get(stage, 0)
+
+    def emit(self, *cells: _Column | tuple[_Column, _Column]) -> None:
+        """Append a phase: row ``i`` is the ``i``-th entry of every cell given, in order."""
+        pairs = [c if isinstance(c, tuple) else (c, None) for c in cells]
+        columns = [c for pair in pairs for c in pair if c is not None]
+        rows, width = len(columns[0].codes), len(columns)
+        # queue the I's row by row: by (row, column)
+        where = [
+            (i * width + j, c.codes[c.pending])
+            for j, c in enumerate(columns)
+            for i in [np.flatnonzero(c.pending)]
+            if c.pending is not None
+        ]
+        if where:
+            place = np.concatenate([w for w, _ in where])
+            keys = np.concatenate([k for _, k in where])[np.argsort(place, kind="stable")] >> 3
+            keys = keys.tolist()
+            self._queue.extend(keys)
+            for key in keys:
+                stage, mb = divmod(key, self.mb_bound)
+                self._by_stage.setdefault(stage, []).append(mb)
+        # then take the W's, row by row (column by column where they are of different
+        # queues: each queue is taken in order either way)
+        takers = [c for c in columns if c.is_w]
+        if len({c.w_stage for c in takers}) == len(takers):
+            for c in takers:
+                c.codes[:] = self._take(c.w_stage, rows)
         else:
-            s, mb = next(p for p in self._pending if p[0] == stage)
-            self._pending.remove((s, mb))
-        return Action(s, Op.W, mb)
+            for i in range(rows):
+                for c in takers:
+                    c.codes[i] = self._take(c.w_stage, 1)[0]
+        self.first.append(np.stack([f.codes for f, _ in pairs], axis=1).ravel())
+        second = [np.full(rows, -1) if b is None else b.codes for _, b in pairs]
+        self.second.append(np.stack(second, axis=1).ravel())
 
-    def has_pending(self, stage: int) -> bool:
-        """Whether an ``I`` of ``stage`` still waits for its ``W``."""
-        return any(s == stage for s, _ in self._pending)
+    def _take(self, stage: int | None, count: int) -> np.ndarray:
+        """The W codes of the ``count`` oldest pending I's (of ``stage`` when given); a
+        program takes either by stage or oldest of all, never both."""
+        if stage is None:
+            assert not self._taken_of, "W's of one stage and of any stage in one program"
+            keys = self._queue[self._taken : self._taken + count]
+            self._taken += count
+            out = np.asarray(keys, dtype=np.int64) * 8 + packed.W
+        else:
+            assert not self._taken, "W's of one stage and of any stage in one program"
+            k = self._taken_of.get(stage, 0)
+            mbs = self._by_stage.get(stage, [])[k : k + count]
+            self._taken_of[stage] = k + count
+            out = (stage * self.mb_bound + np.asarray(mbs, dtype=np.int64)) * 8 + packed.W
+        if len(out) < count:
+            raise IndexError(f"a W with no pending I (of stage {stage})")
+        return out
 
-    def emit(self, *actions: Action) -> None:
-        self.actions.extend(actions)
 
-    def overlap(self, forward: Action, backward: Action) -> None:
-        """Emit the overlap pair ``(forward;backward)OVERLAP_F_B``."""
-        self.actions.append(Action.overlap(forward, backward))
+def _cells(num_ranks: int, num_stages: int, mb_bound: int, rank_program) -> Cells:
+    """The ``Cells`` of ``rank_program(r)`` for every rank, one rank's lists at a time."""
+
+    def codes(r: int) -> tuple[np.ndarray, np.ndarray]:
+        p = rank_program(r)
+        return np.concatenate(p.first), np.concatenate(p.second)
+
+    return packed.concat(range(num_ranks), map(codes, range(num_ranks)), mb_bound, num_stages)
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int, min_microbatches: int, name: str) -> None:
@@ -203,58 +186,65 @@ def _check_sizes(num_ranks: int, num_microbatches: int, min_microbatches: int, n
 # DualPipeV
 
 
-def _dualpipev_rank(rank: int, n: int, m: int) -> list[Action]:
-    """Rank ``rank``'s DualPipeV program; the steps are DUALPIPEV.md's table, line by line."""
-    p = _RankProgram()
+def _dualpipev_rank(rank: int, n: int, m: int) -> _RankProgram:
+    """Rank ``rank``'s DualPipeV program; the steps are DUALPIPEV.md's table, line by line
+    (each step a phase: ``k x (...)`` is ``k`` rows of those cells)."""
+    p = _RankProgram(m)
     s0, s1 = rank, 2 * n - 1 - rank  # phase 0 (the way down), phase 1 (the way back)
     last_rank = rank == n - 1
 
     # Step 1 (nF0): 2(N-r-1) x F s0
-    for _ in range(2 * (n - rank - 1)):
-        p.emit(p.f(s0))
+    k = 2 * (n - rank - 1)
+    p.emit(p.f(s0, k))
 
     # Step 2 (nF0F1): r+1 x (F s0, F s1)
-    for _ in range(rank + 1):
-        p.emit(p.f(s0), p.f(s1))
+    k = rank + 1
+    p.emit(p.f(s0, k), p.f(s1, k))
 
     # Step 3 (nI1W1F1): N-r-1 x (I s1, W oldest, F s1)
-    for _ in range(n - rank - 1):
-        p.emit(p.b(s1, defer_w=True))
-        p.emit(p.w())
-        p.emit(p.f(s1))
+    k = n - rank - 1
+    p.emit(p.b(s1, k, defer_w=True), p.w(k), p.f(s1, k))
 
     # Step 4 (main): overlap(F s0, B s1), overlap(F s1, B s0)
     #   M-2N+r+1 units; on rank N-1 the first unit's first pair runs F s0 then B s1 plainly.
-    for i in range(m - 2 * n + rank + 1):
-        if i == 0 and last_rank:
-            p.emit(p.f(s0))
-            p.emit(p.b(s1))
-        else:
-            p.overlap(p.f(s0), p.b(s1))
-        p.overlap(p.f(s1), p.b(s0))
+    k = m - 2 * n + rank + 1
+    if last_rank and k > 0:
+        p.emit(p.f(s0), p.b(s1), (p.f(s1), p.b(s0)))
+        k -= 1
+    p.emit((p.f(s0, k), p.b(s1, k)), (p.f(s1, k), p.b(s0, k)))
 
     # Step 5 (nB1F1B0): N-r-1 x (B s1, overlap(F s1, B s0))
-    for _ in range(n - rank - 1):
-        p.emit(p.b(s1))
-        p.overlap(p.f(s1), p.b(s0))
+    k = n - rank - 1
+    p.emit(p.b(s1, k), (p.f(s1, k), p.b(s0, k)))
 
     # Step 6 (nB1B0): r+1 x (B s1, B s0); the second half defers W (they become I):
     #   odd r: both backwards from iteration (r+1)//2 on; even r: from that iteration's B s0.
-    half = (rank + 1) // 2
-    for i in range(rank + 1):
-        p.emit(p.b(s1, defer_w=i > half or (i == half and rank % 2 == 1)))
-        p.emit(p.b(s0, defer_w=i >= half))
+    k, half = rank + 1, (rank + 1) // 2
+    i = np.arange(k)
+    p.emit(
+        p.b(s1, k, defer_w=(i > half) | ((i == half) & (rank % 2 == 1))),
+        p.b(s0, k, defer_w=i >= half),
+    )
 
     # Step 7 (nWB0): N-r-1 x (W oldest, I s0)
-    for _ in range(n - rank - 1):
-        p.emit(p.w())
-        p.emit(p.b(s0, defer_w=True))
+    k = n - rank - 1
+    p.emit(p.w(k), p.b(s0, k, defer_w=True))
 
     # Step 8 (nW): r+1 x W oldest
-    for _ in range(rank + 1):
-        p.emit(p.w())
+    k = rank + 1
+    p.emit(p.w(k))
 
-    return p.actions
+    return p
+
+
+def _dualpipev_cells(num_ranks: int, num_microbatches: int) -> Cells:
+    _check_sizes(num_ranks, num_microbatches, 2 * num_ranks, "DualPipeV")
+    return _cells(
+        num_ranks,
+        2 * num_ranks,
+        num_microbatches,
+        lambda r: _dualpipev_rank(r, num_ranks, num_microbatches),
+    )
 
 
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -264,73 +254,91 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     stages run as overlap units in the steady state; the W of a few backwards is deferred to
     fill bubbles. Same order as DeepSeek's ``dualpipev.py`` and torch's ``ScheduleDualPipeV``.
     """
-    _check_sizes(num_ranks, num_microbatches, 2 * num_ranks, "DualPipeV")
-    return {r: _dualpipev_rank(r, num_ranks, num_microbatches) for r in range(num_ranks)}
+    return packed.decode_schedule(_dualpipev_cells(num_ranks, num_microbatches))
 
 
 # --------------------------------------------------------------------------------------------
 # Baselines
 
 
-def _one_f_one_b_rank(rank: int, n: int, m: int) -> list[Action]:
-    p = _RankProgram()
+def _one_f_one_b_rank(rank: int, n: int, m: int) -> _RankProgram:
+    p = _RankProgram(m)
     warmup = min(n - rank - 1, m)
     # Warm-up: N-r-1 forwards fill the pipe below this rank.
-    for _ in range(warmup):
-        p.emit(p.f(rank))
+    p.emit(p.f(rank, warmup))
     # Steady state: one forward, one backward.
-    for _ in range(m - warmup):
-        p.emit(p.f(rank), p.b(rank))
+    p.emit(p.f(rank, m - warmup), p.b(rank, m - warmup))
     # Cool-down: the backwards of the warm-up forwards.
-    for _ in range(warmup):
-        p.emit(p.b(rank))
-    return p.actions
+    p.emit(p.b(rank, warmup))
+    return p
+
+
+def _one_f_one_b_cells(num_ranks: int, num_microbatches: int) -> Cells:
+    _check_sizes(num_ranks, num_microbatches, 1, "1F1B")
+    return _cells(
+        num_ranks,
+        num_ranks,
+        num_microbatches,
+        lambda r: _one_f_one_b_rank(r, num_ranks, num_microbatches),
+    )
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """Classic 1F1B (PipeDream-flush): ``N`` stages, one per rank, full backward ``B``."""
-    _check_sizes(num_ranks, num_microbatches, 1, "1F1B")
-    return {r: _one_f_one_b_rank(r, num_ranks, num_microbatches) for r in range(num_ranks)}
+    return packed.decode_schedule(_one_f_one_b_cells(num_ranks, num_microbatches))
 
 
-def _zbv_rank(rank: int, n: int, m: int) -> list[Action]:
+def _zbv_rank(rank: int, n: int, m: int) -> _RankProgram:
     """ZB-V (zero-bubble paper, section 6) for one rank, generated for ``max(M, 2N-1)``
     micro-batches; the caller drops the actions of micro-batches ``>= M``."""
-    p = _RankProgram()
-    s0, s1 = rank, 2 * n - 1 - rank
     total = max(m, 2 * n - 1)
-    count_f = {s0: 0, s1: 0}
-
-    def f(stage: int) -> Action:
-        count_f[stage] += 1
-        return p.f(stage)
+    p = _RankProgram(total)
+    s0, s1 = rank, 2 * n - 1 - rank
 
     # Warm-up 1: 2(N-r)-1 forwards of the first chunk.
-    for _ in range(2 * (n - rank) - 1):
-        p.emit(f(s0))
+    k = 2 * (n - rank) - 1
+    p.emit(p.f(s0, k))
     # Warm-up 2: r x (F s1, F s0).
-    for _ in range(rank):
-        p.emit(f(s1), f(s0))
+    p.emit(p.f(s1, rank), p.f(s0, rank))
     # Warm-up 3: N-r x (F s1, I s1, W s1): the V's turn starts the first backwards.
-    for _ in range(n - rank):
-        p.emit(f(s1), p.b(s1, defer_w=True), p.w(s1))
-    # Steady state: (F s0,) I s0, W s0, F s1, I s1, W s1 until every forward ran.
-    while count_f[s1] < count_f[s0] or count_f[s0] < total:
-        if count_f[s0] < total:
-            p.emit(f(s0))
-        p.emit(p.b(s0, defer_w=True), p.w(s0))
-        p.emit(f(s1), p.b(s1, defer_w=True), p.w(s1))
+    k = n - rank
+    p.emit(p.f(s1, k), p.b(s1, k, defer_w=True), p.w(k, s1))
+    # Steady state: (F s0,) I s0, W s0, F s1, I s1, W s1 until every forward ran: with F s0
+    #   until s0 has run all `total`, then on while s1 has not.
+    with_f0 = total - (2 * n - rank - 1)  # forwards of s0 so far: warm-ups 1 and 2
+    k = with_f0
+    p.emit(
+        p.f(s0, k), p.b(s0, k, defer_w=True), p.w(k, s0),
+        p.f(s1, k), p.b(s1, k, defer_w=True), p.w(k, s1),
+    )  # fmt: skip
+    k = max(0, total - (n + with_f0))  # forwards of s1 so far: warm-ups 2 and 3, and these
+    p.emit(p.b(s0, k, defer_w=True), p.w(k, s0), p.f(s1, k), p.b(s1, k, defer_w=True), p.w(k, s1))
     # Cool-down 1: r x (I s0, I s1), their W deferred.
-    for _ in range(rank):
-        p.emit(p.b(s0, defer_w=True), p.b(s1, defer_w=True))
+    p.emit(p.b(s0, rank, defer_w=True), p.b(s1, rank, defer_w=True))
     # Cool-down 2: N-r x (I s0, W s0 oldest).
-    for _ in range(n - rank):
-        p.emit(p.b(s0, defer_w=True), p.w(s0))
+    k = n - rank
+    p.emit(p.b(s0, k, defer_w=True), p.w(k, s0))
     # Drain: the remaining W of s1, then of s0, oldest first.
     for stage in (s1, s0):
-        while p.has_pending(stage):
-            p.emit(p.w(stage))
-    return p.actions
+        p.emit(p.w(p.pending(stage), stage))
+    return p
+
+
+def _zbv_cells(num_ranks: int, num_microbatches: int) -> Cells:
+    _check_sizes(num_ranks, num_microbatches, 1, "ZB-V")
+    total = max(num_microbatches, 2 * num_ranks - 1)  # what _zbv_rank generates
+
+    def kept(r: int) -> _RankProgram:
+        """Rank r's program without the cells of a part of micro-batch >= M."""
+        p = _zbv_rank(r, num_ranks, num_microbatches)
+        first, second = np.concatenate(p.first), np.concatenate(p.second)
+        keep = ((first >> 3) % total < num_microbatches) & (
+            (second < 0) | ((second >> 3) % total < num_microbatches)
+        )
+        p.first, p.second = [first[keep]], [second[keep]]
+        return p
+
+    return _cells(num_ranks, 2 * num_ranks, total, kept)
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -338,15 +346,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     backward split into ``I`` and ``W``. Same order as torch's ``ScheduleZBVZeroBubble`` with
     its idle cells dropped. ``M < 2N-1`` runs the ``2N-1`` schedule without the missing
     micro-batches, as torch does."""
-    _check_sizes(num_ranks, num_microbatches, 1, "ZB-V")
-
-    def keep(action: Action) -> bool:
-        return all(part.microbatch < num_microbatches for part in action.parts())
-
-    return {
-        r: [a for a in _zbv_rank(r, num_ranks, num_microbatches) if keep(a)]
-        for r in range(num_ranks)
-    }
+    return packed.decode_schedule(_zbv_cells(num_ranks, num_microbatches))
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,17 +358,22 @@ class ScheduleKind:
     """A named schedule generator and where its stages live.
 
     name: the registry key (``graphpipe schedule --schedule NAME``).
-    build: ``(num_ranks, num_microbatches) -> Schedule``; raises ValueError on bad sizes.
-    style: the placement style (see ``stage_to_rank``).
+    cells: ``(num_ranks, num_microbatches) -> packed.Cells``, the generator on arrays;
+        raises ValueError on bad sizes.
+    style: the placement style (see ``ir.stage_to_rank``).
     stages_per_rank: stages each rank runs (``num_stages = stages_per_rank * num_ranks``).
     summary: one line for help texts.
     """
 
     name: str
-    build: Callable[[int, int], Schedule]
+    cells: Callable[[int, int], Cells]
     style: str
     stages_per_rank: int
     summary: str
+
+    def build(self, num_ranks: int, num_microbatches: int) -> Schedule:
+        """The schedule as ``{rank: [Action, ...]}``; raises ValueError on bad sizes."""
+        return packed.decode_schedule(self.cells(num_ranks, num_microbatches))
 
     def placement(self, num_ranks: int) -> Placement:
         """This schedule's placement on ``num_ranks`` ranks."""
@@ -386,41 +391,9 @@ class ScheduleKind:
 SCHEDULES: dict[str, ScheduleKind] = {
     kind.name: kind
     for kind in (
-        ScheduleKind("dualpipev", dualpipev, "v", 2, "DeepSeek DualPipeV: 2N stages, M >= 2N"),
-        ScheduleKind("1f1b", one_f_one_b, "loop", 1, "classic 1F1B: N stages, one per rank"),
-        ScheduleKind("zbv", zbv, "v", 2, "zero-bubble ZB-V: 2N stages in a V, I/W split"),
+        ScheduleKind("dualpipev", _dualpipev_cells, "v", 2, SCHEDULE_KINDS["dualpipev"]),
+        ScheduleKind("1f1b", _one_f_one_b_cells, "loop", 1, SCHEDULE_KINDS["1f1b"]),
+        ScheduleKind("zbv", _zbv_cells, "v", 2, SCHEDULE_KINDS["zbv"]),
     )
 }
 """Schedules by name."""
-
-
-def resolve_schedule(
-    schedule: str | Mapping[int, Sequence[Action]], n: int, m: int
-) -> tuple[dict[int, list[Action]], Placement, str]:
-    """``schedule`` (a name in ``SCHEDULES``, or a compute-only ``{rank: [Action, ...]}``) for
-    ``n`` ranks and ``m`` micro-batches: the schedule, its placement and its name, validated
-    (``simulate.validate``; a schedule whose ranks deadlock each other raises too)."""
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
-        built, placement = SCHEDULES[schedule](n, m)
-        name = schedule
-    elif isinstance(schedule, Mapping):
-        built = {r: list(a) for r, a in schedule.items()}
-        if sorted(built) != list(range(n)):
-            raise ValueError(
-                f"the schedule has ranks {sorted(built)}, but the pipeline has {n} ranks "
-                f"(0 .. {n - 1})"
-            )
-        placement = Placement.from_schedule(built)
-        name = "custom"
-    else:
-        raise TypeError(
-            f"schedule must be a name ({', '.join(sorted(SCHEDULES))}) or a "
-            f"{{rank: [Action, ...]}} mapping, got {type(schedule).__name__}"
-        )
-    from graphpipe.simulate import dataflow, validate
-
-    validate(built, placement, m)
-    dataflow(built, placement)  # raises ScheduleError, with the grid, if ranks deadlock
-    return built, placement, name

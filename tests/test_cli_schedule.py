@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from graphpipe import cli
 from graphpipe.cli import main
 from graphpipe.ir import format_csv
 from graphpipe.schedules import dualpipev
@@ -151,3 +152,39 @@ def test_python_dash_m_graphpipe_runs_the_cli() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.replace("\r\n", "\n") == format_csv(dualpipev(2, 4)).replace("\r\n", "\n")
+
+
+def test_a_grid_too_big_to_read_is_a_note_unless_full(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cli, "_FULL_LIMIT", 10)
+    schedule = dualpipev(2, 4)
+    cells, steps = sum(map(len, schedule.values())), max(map(len, schedule.values()))
+    code, out, _ = _run(capsys, "--ranks", "2", "--microbatches", "4")
+    assert code == 0
+    note = next(line for line in out.splitlines() if line.startswith("(the grid"))
+    assert f"2 ranks x {steps} steps, {cells} cells" in note
+    assert "more than 10; --full prints it" in note
+    assert "Step 0" not in out and "makespan" in out and "peak activations" in out
+    code, full, _ = _run(capsys, "--ranks", "2", "--microbatches", "4", "--full")
+    assert code == 0 and "Step 0" in full and "(the grid" not in full
+
+
+def test_a_picture_too_big_to_read_is_refused_unless_full(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(cli, "_FULL_LIMIT", 10)
+    picture = tmp_path / "p.svg"
+    with pytest.raises(SystemExit) as info:
+        main(["schedule", "--ranks", "2", "--microbatches", "4", "--out", str(picture)])
+    assert info.value.code == 2
+    _, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and "--full draws it anyway" in err
+    assert not picture.exists()
+    code, _, err = _run(
+        capsys, "--ranks", "2", "--microbatches", "4", "--out", str(picture), "--full"
+    )
+    assert code == 0 and picture.exists()
+
+
+def test_help_says_what_full_does(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["schedule", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--full" in out and f"more than {cli._FULL_LIMIT} cells" in out

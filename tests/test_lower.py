@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from graphpipe.ir import Action, Op
+from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import (
     Step,
     channel,
@@ -18,7 +18,7 @@ from graphpipe.lower import (
     peer,
     transfers,
 )
-from graphpipe.schedules import SCHEDULES, Placement
+from graphpipe.schedules import SCHEDULES
 from graphpipe.simulate import Costs, ScheduleError, dataflow, simulate
 
 SENDS = (Op.SEND_F, Op.SEND_B)

@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from graphpipe.ir import BACKWARD_OPS, Op, format_csv, load_csv
-from graphpipe.schedules import (
-    SCHEDULES,
-    Placement,
-    dualpipev,
-    one_f_one_b,
-    stage_to_rank,
-    zbv,
-)
+from graphpipe.ir import BACKWARD_OPS, Op, Placement, format_csv, load_csv, stage_to_rank
+from graphpipe.schedules import SCHEDULES, dualpipev, one_f_one_b, zbv
 from tests.torch_oracle import as_strings, dualpipev_rows, zbv_rows
 
 GOLDEN = Path(__file__).parent / "golden" / "dualpipev_n4_m10.csv"

@@ -36,8 +36,8 @@ def _gpipe_loop_csv(n: int, m: int) -> str:
 
 
 def _stage_ids(schedule, rank: int, n: int, m: int) -> tuple[int, ...]:
-    from graphpipe.ir import parse_csv
-    from graphpipe.schedules import SCHEDULES, Placement
+    from graphpipe.ir import Placement, parse_csv
+    from graphpipe.schedules import SCHEDULES
 
     if schedule == "csv":
         return Placement.from_schedule(parse_csv(_gpipe_loop_csv(n, m))).stages_of(rank)

@@ -7,14 +7,15 @@ from dataclasses import asdict
 
 import pytest
 
-from graphpipe.ir import Action, Op
+from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import Step, lower, peer
-from graphpipe.schedules import SCHEDULES, Placement
+from graphpipe.schedules import SCHEDULES
 from graphpipe.simulate import (
     Costs,
     ScheduleError,
     dataflow,
     format_grid,
+    resolve_schedule,
     simulate,
     validate,
 )
@@ -294,3 +295,57 @@ def test_simulated_waits_name_the_receives_and_fill_the_gaps() -> None:
     for r in result.ranks:
         last_end = max(t.end for t in result.timeline if t.rank == r.rank)
         assert r.idle == pytest.approx(r.recv_wait + result.makespan - last_end)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation as a pass: what the generators build, and what a pipeline is given
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize(("n", "m"), [(1, 2), (2, 4), (3, 7), (4, 8), (5, 16)])
+def test_every_generated_schedule_validates_and_runs_as_dataflow(name: str, n: int, m: int):
+    schedule, placement = SCHEDULES[name](n, m)
+    validate(schedule, placement, m)
+    assert dataflow(schedule, placement).makespan > 0
+
+
+def test_resolve_schedule_by_name_builds_and_places_it() -> None:
+    built, placement, name = resolve_schedule("zbv", 3, 6)
+    assert (built, placement) == SCHEDULES["zbv"](3, 6)
+    assert name == "zbv"
+
+
+def test_resolve_schedule_takes_a_users_mapping_and_implies_its_placement() -> None:
+    users = {r: tuple(a) for r, a in SCHEDULES["1f1b"](2, 3)[0].items()}
+    built, placement, name = resolve_schedule(users, 2, 3)
+    assert built == {r: list(a) for r, a in users.items()} and name == "custom"
+    assert placement == Placement.from_style(2, "loop")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "error", "match"),
+    [
+        ("gpipe", ValueError, r"unknown schedule 'gpipe': expected one of \['1f1b', 'dualpipev'"),
+        ({0: [Action(0, Op.F, 0)]}, ValueError, r"the schedule has ranks \[0\], but the pipe"),
+        (["0F0"], TypeError, "schedule must be a name .* or a {rank: .* mapping, got list"),
+    ],
+)
+def test_resolve_schedule_rejects_what_is_no_schedule(schedule, error, match: str) -> None:
+    with pytest.raises(error, match=match):
+        resolve_schedule(schedule, 2, 4)
+
+
+def test_resolve_schedule_validates_a_users_mapping_with_the_grid() -> None:
+    schedule, _ = SCHEDULES["dualpipev"](2, 4)
+    schedule[0].remove(Action(3, Op.W, 0))
+    with pytest.raises(ScheduleError, match="invalid schedule:") as info:
+        resolve_schedule(schedule, 2, 4)
+    assert "3I0 has no later W" in str(info.value) and "<-- invalid: rank 0" in str(info.value)
+
+
+def test_resolve_schedule_rejects_a_users_mapping_whose_ranks_deadlock() -> None:
+    schedule, _ = SCHEDULES["dualpipev"](2, 4)
+    schedule[0].insert(0, schedule[0].pop(3))  # 3F0 first: it waits for rank 1, which waits
+    with pytest.raises(ScheduleError, match="deadlock: no rank can progress") as info:
+        resolve_schedule(schedule, 2, 4)
+    assert "*3F0*" in str(info.value)

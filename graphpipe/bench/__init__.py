@@ -61,9 +61,9 @@ from typing import TYPE_CHECKING, Any
 
 from graphpipe._lazy import lazy_attributes
 from graphpipe.cli import positive_int
+from graphpipe.costs import Costs
+from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs
 
 from .options import REGIME_CHOICES, SYNTHETIC_COSTS
 
@@ -187,7 +187,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--schedule",
-        choices=(*sorted(SCHEDULES), "all"),
+        choices=(*sorted(SCHEDULE_KINDS), "all"),
         default="all",
         help="with --regime synthetic: the schedule(s) to run (default all)",
     )
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
     opts["command_line"] = " ".join(sys.argv)
     if args.regime == "synthetic":
-        opts["schedules"] = sorted(SCHEDULES) if args.schedule == "all" else [args.schedule]
+        opts["schedules"] = sorted(SCHEDULE_KINDS) if args.schedule == "all" else [args.schedule]
         from .synthetic import synthetic_main
 
         launch(synthetic_main, args.ranks, args.device, opts)

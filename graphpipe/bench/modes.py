@@ -65,7 +65,7 @@ class Mode:
 def _graphpipe_mode(
     name: str, stages: tuple[nn.Module, ...], w: Workload, group: Any, **extra: Any
 ) -> Mode:
-    from graphpipe import DualPipeV
+    from graphpipe.runtime.pipeline import DualPipeV
 
     pipe = DualPipeV(
         stages, num_microbatches=w.microbatches, loss_fn=w.loss_fn(), group=group, **extra

@@ -169,7 +169,7 @@ def p2p_latency(rank: int, world: int, reps: int = 50) -> float:
 
 def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> list[dict]:
     """Run every requested schedule on this rank; rank 0 returns the rows."""
-    import graphpipe
+    from graphpipe.runtime.pipeline import Pipeline
     from graphpipe.schedules import SCHEDULES
 
     ms: Costs = opts["costs"]
@@ -181,7 +181,7 @@ def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> l
         m = opts.get("microbatches") or 4 * world
         cls = SleepStage if ms.FB is not None else PlainSleepStage
         stages = [cls(ms) for _ in kind.placement(world).stages_of(rank)]
-        pipe = graphpipe.Pipeline(
+        pipe = Pipeline(
             stages, schedule=name, num_microbatches=m, loss_fn=_loss, group=group, costs=ms
         )
         x = torch.zeros(m, 1)

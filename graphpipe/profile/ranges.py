@@ -18,15 +18,12 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 
-from graphpipe.ir import Action
+from graphpipe.ir import WAIT_PREFIX, Action
 
 __all__ = ["STEP", "WAIT_PREFIX", "Kind", "Range", "action_of", "kind_of"]
 
 STEP = "step"
 """The name of the range around one training step."""
-
-WAIT_PREFIX = "wait "
-"""Ranges whose name starts with this are time blocked on point-to-point communication."""
 
 
 class Kind(str, Enum):

@@ -25,8 +25,7 @@ from graphpipe.lower import forward_only, lower, transfers
 from graphpipe.meta import StepRecord
 from graphpipe.nvtx import Ranges
 from graphpipe.plan import StaticPlan
-from graphpipe.schedules import resolve_schedule
-from graphpipe.simulate import Costs
+from graphpipe.simulate import Costs, resolve_schedule
 
 from .batch import BatchAgreement, Signature
 from .capture import CaptureDriver

@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from graphpipe.ir import Action, Op
+from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import Step, Transfer, comms_needed
-from graphpipe.schedules import Placement
 
 from .comm import CommEngine, RecvTransfer, SendTransfer
 from .stage import StageRunner

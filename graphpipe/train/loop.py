@@ -103,7 +103,6 @@ def build_rank(
     With ``opts["dp"] = D > 1`` the world is a ``("dp", "pp")`` mesh of D replicas of a
     ``world / D``-rank pipeline (global rank ``d * N + p``); each replica's first rank takes
     its ``1/D`` share of every batch."""
-    from graphpipe import DualPipeV
     from graphpipe.data import ByteBatches, load_text_bytes
     from graphpipe.models import (
         LlamaConfig,
@@ -112,6 +111,7 @@ def build_rank(
         num_parameters,
         unique_parameters,
     )
+    from graphpipe.runtime.pipeline import DualPipeV
 
     opts = dict(opts)
     dp = opts.get("dp", 1)
