@@ -44,6 +44,7 @@ from .checks import (
 )
 from .clipping import GradClipper
 from .comm import CommEngine
+from .config import pipeline_config
 from .context import RankContext
 from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
@@ -215,11 +216,28 @@ class Pipeline:
         infer_lowered = lower(forward_only(self.schedule), self.placement, receives=self.receives)
         infer_transfers = transfers(infer_lowered, self.placement)
         edges = {(t.src, t.dst) for t in train_transfers}
+        # What every rank must agree on, joined in the store before any group is built
+        # (runtime/config.py: a mismatch or a rank that does not come raises on every rank).
+        config = pipeline_config(
+            schedule_name=self.schedule_name,
+            schedule=self.schedule,
+            placement=self.placement,
+            num_microbatches=m,
+            receives=self.receives,
+            per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
+            capture=CAPTURE_MODES[capture],
+            dp_group=dp_group,
+            expert_groups=expert_groups,
+            clip_grad_norm=clip_grad_norm,
+            clip_norm_type=clip_norm_type,
+            costs=costs,
+        )
         self.groups = groups = PipelineGroups(
             self.group if distributed else None,
             edges,
             per_edge_groups,
             datetime.timedelta(seconds=seconds(timeout)),
+            config,
         )
         self.engine = engine = CommEngine(
             runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
@@ -297,7 +315,7 @@ class Pipeline:
     def _agree(self, inputs: Any, labels: Any, train: bool) -> tuple[tuple[int, ...], Any]:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
         faults = self._faults
-        faults.begin()
+        faults.begin("step" if train else "forward")
         faults.action = "batch agreement"
         try:
             return self._agreement.agree(
@@ -311,13 +329,12 @@ class Pipeline:
         """Failures inside a call: reset this rank's step state and tell every rank."""
         try:
             yield
-        except CommFailure as f:
-            self._reset()
-            raise self._faults.consequence(f) from f
         except BaseException as e:
             self._reset()
-            self._faults.original(e)
-            raise
+            error = self._faults.failure(e)  # e itself (published), or a PipelineError
+            if error is e:
+                raise
+            raise error from e
 
     def _reset(self) -> None:
         """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
@@ -345,8 +362,9 @@ class Pipeline:
             # GradScaler keeps what unscale_ found per device in this dict, with no public
             # accessor; step() reads it from there.
             state = scaler._per_optimizer_states[id(optimizer)]
-            for t in state["found_inf_per_device"].values():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            with self._faults.outside("unscale_"):  # a failed all-reduce: PipelineError
+                for t in state["found_inf_per_device"].values():
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 
     @property
     def ranges(self) -> Ranges:
@@ -368,7 +386,8 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``graphpipe.clip_grad_norm_(self, max_norm, norm_type)``."""
-        return self._clipper.clip(max_norm, norm_type)
+        with self._faults.outside("clip_grad_norm_"):  # a failed all-reduce: PipelineError
+            return self._clipper.clip(max_norm, norm_type)
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
