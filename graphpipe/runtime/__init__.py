@@ -18,6 +18,7 @@ store           the job's c10d store: who hosts it, every access wrapped (``Stor
 status          what a blocked process is doing, published only while it blocks
 config          the construction-time agreement: every rank joins, configured alike
 groups          process groups: one per directed rank pair on NCCL, the gloo control group
+lifetime        live pipelines at exit: closed, their gloo groups released, no abort
 stage           the stage runner: F / I / B / W / overlap handlers, per-micro-batch state
 batch           agreement on each batch across ranks
 tensors         a value as a tuple of tensors, a batch split into micro-batches

@@ -62,6 +62,7 @@ class GradClipper:
         self.ctx = ctx
         self.ep_group = expert_groups.ep_group if expert_groups is not None else None
         self.norm: torch.Tensor | None = None
+        self._reduced: Any = None
 
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient of this rank by the global norm; return the norm (see the
@@ -76,6 +77,7 @@ class GradClipper:
         inf = math.isinf(norm_type)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         ep = self.ep_group
+        share = None
         if ep is not None and dist.get_world_size(ep) > 1:
             experts = [p.grad for p in params if is_expert(p)]
             share = _partial(experts, norm_type, dtype, ctx.device)
@@ -87,6 +89,10 @@ class GradClipper:
             local = _partial(grads, norm_type, dtype, ctx.device)
         if ctx.num_ranks > 1:
             dist.all_reduce(local, op=op, group=ctx.group)
+        # Held until the next clip: the gloo worker thread that reduced them may release its
+        # work after this returns, and must not be the one to free their Python objects
+        # (it would need the GIL, fatal at interpreter exit: runtime/lifetime.py).
+        self._reduced = (local, share)
         total = local if inf else local.pow(1.0 / norm_type)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -84,17 +84,21 @@ class CommFailure(RuntimeError):
         self.notice = notice  # a failure notice found while waiting (another replica's)
 
 
+_C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")  # torch's collective calls
+
+
 def as_comm_failure(exc: BaseException, what: str) -> CommFailure | None:
-    """``exc`` as a ``CommFailure`` during ``what`` when it is a ``torch.distributed`` error
-    (a ``DistError``, or a ``RuntimeError`` raised inside ``torch.distributed``, as gloo's
-    are): a collective of the step failed, not the user's code; else None."""
+    """``exc`` as a ``CommFailure`` during ``what`` when it is a ``torch.distributed``
+    transport error (a ``DistError``, or a ``RuntimeError`` raised by one of torch's
+    collective calls, as gloo's are): a collective failed, not the user's code; else None."""
     if isinstance(exc, (CommFailure, StoreLost)) or not isinstance(exc, RuntimeError):
         return None
     if not isinstance(exc, dist.DistError):
-        tb, last = exc.__traceback__, None
+        tb, last = exc.__traceback__, ""
         while tb is not None:
             last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-        if last is None or f"{os.sep}torch{os.sep}distributed{os.sep}" not in last:
+        distributed = f"{os.sep}torch{os.sep}distributed{os.sep}"
+        if distributed not in last or not last.endswith(_C10D_FILES):
             return None
     return CommFailure(None, what, exc.with_traceback(None))
 

@@ -27,7 +27,8 @@ Before any group is built, and before each rebuild, the ranks join in the store
 did, and ranks configured differently raise ``ValueError`` instead of training wrong.
 
 A process that exits (or destroys its process groups) with pipelines alive must not abort:
-see ``release_at_exit``.
+``release`` lets go of the gloo groups at exit, before the interpreter finalizes
+(``lifetime``).
 """
 
 from __future__ import annotations
@@ -78,12 +79,17 @@ class _PatientWork:
         self.work, self.group = work, group
 
     def wait(self, *args: Any) -> Any:
-        WATCH.current = self
+        watch = WATCH
+        watch.current = self
         try:
             done = self.work.wait(*args)
-        finally:
-            WATCH.current = None
-        WATCH.ended(self)  # a failed wait keeps its status for the peers (see status)
+        except BaseException:
+            watch.current = None
+            watch.failed = id(self)  # its status stays for the peers (see status)
+            raise
+        watch.current = None
+        if watch.published:
+            watch.ended(self)
         return done
 
     def blocked(self) -> Any:
@@ -99,7 +105,8 @@ class PatientGroup:
     """A pipeline gloo group whose works' waits are watched (``status``): one that blocks
     gets this process's status published, made by ``on_block(peer)`` (``peer``: the pipeline
     rank its P2P goes to; None for the control group's collectives). Any other attribute is
-    the group's. Costs a small object per operation; no store access unless a wait blocks.
+    the group's. Costs a small object per operation (about 1 us with its wait, see
+    ``profiles/status_cost.py``); no store access unless a wait blocks.
     """
 
     def __init__(
@@ -107,17 +114,17 @@ class PatientGroup:
     ) -> None:
         self.group, self.on_block, self.peer = group, on_block, peer
 
-    def allreduce(self, *args: Any, **kwargs: Any) -> _PatientWork:
-        return _PatientWork(self.group.allreduce(*args, **kwargs), self)
+    def allreduce(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.allreduce(*args), self)
 
-    def broadcast(self, *args: Any, **kwargs: Any) -> _PatientWork:
-        return _PatientWork(self.group.broadcast(*args, **kwargs), self)
+    def broadcast(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.broadcast(*args), self)
 
-    def send(self, *args: Any, **kwargs: Any) -> _PatientWork:
-        return _PatientWork(self.group.send(*args, **kwargs), self)
+    def send(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.send(*args), self)
 
-    def recv(self, *args: Any, **kwargs: Any) -> _PatientWork:
-        return _PatientWork(self.group.recv(*args, **kwargs), self)
+    def recv(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.recv(*args), self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.group, name)
@@ -222,6 +229,14 @@ class PipelineGroups:
             for g, _ in self.p2p.values():
                 g.abort()
         self.p2p, self.control = {}, None
+
+    def release(self) -> None:
+        """Let go of this pipeline's own gloo groups now (at exit, ``lifetime``): once nothing
+        else holds them, their worker threads are joined. NCCL groups are torch's (registered
+        ``new_group``s): they stay."""
+        self.control = None
+        if not self.nccl:
+            self.p2p = {}
 
     def rebuild(self) -> None:
         """New gloo groups for the next call (every live pipeline rank calls this, in step),

@@ -49,6 +49,7 @@ from .context import RankContext
 from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import PipelineGroups
+from .lifetime import keep_through_exit
 from .loss import LossReducer
 from .program import compile_program
 from .stage import StageRunner
@@ -281,6 +282,7 @@ class Pipeline:
         self._capture = CaptureDriver(
             ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture
         )
+        keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
 
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Any, labels: Any, *, scaler: Any = None) -> torch.Tensor:

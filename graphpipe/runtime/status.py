@@ -7,8 +7,8 @@ without knowing why; to name the rank to blame and what it is doing, it reads th
 trips per call, so a process publishes one only while it **blocks**:
 
 * every wait on a pipeline gloo group's work goes through ``groups.PatientGroup``, which
-  marks it as this process's current wait (``WATCH.current``: two attribute stores, no
-  store access) and unmarks it when it ends;
+  marks it as this process's current wait (``WATCH.current``: attribute stores, no store
+  access) and unmarks it when it ends;
 * one daemon thread per process (``Watch``) looks at the current wait every ``PERIOD_S``;
   a wait it sees twice in a row (blocked at least ``PERIOD_S``, at most twice that) gets
   its status published, over the thread's own clone of the store (``Store.clone``: a
@@ -142,7 +142,7 @@ class Watch:
     def __init__(self) -> None:
         self.current: Any = None
         self.published = 0  # id of the wait whose status the thread published
-        self.ok = 0  # id of the last wait that ended well
+        self.failed = 0  # id of the last wait that failed
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -169,9 +169,9 @@ class Watch:
             thread.join(timeout=2 * PERIOD_S + 1.0)
 
     def ended(self, wait: Any) -> None:
-        """``wait`` ended well: its status, if the thread published one, goes."""
-        ident = self.ok = id(wait)
-        if self.published == ident:
+        """``wait`` ended well: its status, if the thread published one, goes (the caller
+        checks ``published`` first: nothing to do on the fast path)."""
+        if self.published == id(wait):
             self.published = 0
             ProcessStatus.clear()
 
@@ -194,7 +194,7 @@ class Watch:
         status, blocked, via = got
         status.publish(blocked, via)
         self.published = ident
-        if self.current is not cur and self.ok == ident:  # it ended well meanwhile
+        if self.current is not cur and self.failed != ident:  # it ended well meanwhile
             self.published = 0
             via.delete(status.key(status.global_rank))
 
