@@ -139,9 +139,11 @@ class PipelineGroups:
         ``drop``).
     global_ranks: the pipeline ranks' global ranks; rank: this pipeline rank.
     nccl: P2P goes over NCCL. store / key: the job's store (a ``JobStore``) and this
-    pipeline's key in it. config: this rank's ``PipelineConfig``, agreed on before anything
-    is built (``config.join``). on_block: what a blocked control wait calls (set by
-    ``Faults``).
+    pipeline's key in it. on_block: ``on_block(peer)`` makes the status of a wait that
+    blocks (set by ``Faults``).
+
+    ``config``: this rank's ``PipelineConfig``, agreed on by every rank before anything is
+    built (``config.join``).
     """
 
     def __init__(
@@ -153,7 +155,7 @@ class PipelineGroups:
         config: PipelineConfig | None = None,
     ) -> None:
         self.distributed = group is not None
-        self.on_block: Callable[[], None] | None = None
+        self.on_block: Callable[[int | None], Any] | None = None
         if not self.distributed:
             self.global_ranks, self.rank, self.nccl = [0], 0, False
             self.p2p: dict[tuple[int, int], tuple[Any, int]] = {}
