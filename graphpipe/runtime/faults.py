@@ -480,17 +480,17 @@ class Faults:
 
     # ---------------------------------------------------- outside the step
     @contextlib.contextmanager
-    def outside(self, what: str) -> Iterator[None]:
-        """A pipeline call outside the step protocol (``clip_grad_norm_``, ``unscale_``): a
-        ``torch.distributed`` error in it is a ``PipelineError`` naming this rank and what
-        failed."""
+    def outside(self, what: str, group: str = "the pipeline group") -> Iterator[None]:
+        """A pipeline call outside the step protocol (``clip_grad_norm_``, ``unscale_``, the
+        data-parallel setup): a ``torch.distributed`` error in it is a ``PipelineError``
+        naming this rank, what failed and over which group."""
         try:
             yield
         except RuntimeError as e:
             if as_comm_failure(e, what) is None:
                 raise
             raise PipelineError(
-                f"rank {self.rank}: {what} failed in a collective over the pipeline group "
+                f"rank {self.rank}: {what} failed in a collective over {group} "
                 f"({type(e).__name__}: {first_line(e)}): a peer is gone, or did not call "
                 f"{what} (every rank must)"
             ) from None

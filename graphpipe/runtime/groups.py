@@ -177,7 +177,16 @@ class PipelineGroups:
         if n > 1:
             WATCH.start()
             join(self.store, self.key, self.rank, self.global_ranks, self._seconds, config)
-        self._nccl_p2p = _nccl_edge_groups(group, edges) if self.nccl and n > 1 else {}
+        self._nccl_p2p = {}
+        if self.nccl and n > 1:
+            try:
+                self._nccl_p2p = _nccl_edge_groups(group, edges)
+            except RuntimeError as e:  # a peer died after joining, or the store went
+                self.store.check(self.key)  # StoreLost, naming the store's host
+                raise PipelineError(
+                    f"rank {self.rank} could not create the pipeline's NCCL groups after every "
+                    f"rank joined (a peer died meanwhile?): {type(e).__name__}: {first_line(e)}"
+                ) from None
         if n > 1:
             self._build()
 
