@@ -177,9 +177,13 @@ def join(
     keys = [f"{key}/join/{r}" for r in range(n)]
     mine = store.compare_set(keys[rank], "", digest)
     if mine != digest:
+        advice = (
+            "build the pipeline on every rank within the timeout"
+            if kind == "construction"
+            else "after a failed call, every rank must call the pipeline again within the timeout"
+        )
         raise PipelineError(
-            f"{mine[len(_GAVE_UP) :]}; this rank ({_name(rank, global_ranks)}) "
-            "came later: build the pipeline on every rank within the timeout"
+            f"{mine[len(_GAVE_UP) :]}; this rank ({_name(rank, global_ranks)}) came later: {advice}"
         )
     status = ProcessStatus(store, global_ranks[rank])
     start = time.monotonic()
