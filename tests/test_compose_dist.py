@@ -8,6 +8,8 @@ One spawn runs every case (4-rank spawns are the expensive part of the suite).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -80,6 +82,7 @@ def _eager_case(mesh, case: dict) -> dict:
         dp_group=mesh.get_group("dp"),
         per_edge_groups=case.get("per_edge", False),
         clip_grad_norm=case.get("clip"),
+        clip_norm_type=case.get("norm_type", 2.0),
     )
     x, y, _, _ = _replica_batch(d, case["rows"])
     loss = pipe.step(x if pipe.is_input_rank else None, y if pipe.is_loss_rank else None)
@@ -191,6 +194,10 @@ EAGER = {
     "checkpoint_clip": dict(
         schedule="dualpipev", m=4, rows=16, tied=True, checkpoint=True, clip=0.5
     ),
+    # the max norm: the largest |g| of the whole model is on one pipeline rank, so the ranks'
+    # partial norms must be combined by a max over the pipeline group (a sum would count
+    # both ranks' largest entries)
+    "clip_inf": dict(schedule="dualpipev", m=4, rows=16, tied=True, clip=0.05, norm_type=math.inf),
 }
 TWIN = {
     "captured": dict(),
@@ -213,7 +220,9 @@ def _reference(case: dict) -> tuple:
     loss, grads, _ = reference(stages, x, y)
     norm = None
     if case.get("clip") is not None:
-        norm = torch.nn.utils.clip_grad_norm_(unique_params(stages), case["clip"])
+        norm = torch.nn.utils.clip_grad_norm_(
+            unique_params(stages), case["clip"], case.get("norm_type", 2.0)
+        )
         grads = {
             (i, name): p.grad.clone()
             for i, s in enumerate(stages)

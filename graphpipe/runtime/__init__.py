@@ -12,8 +12,13 @@ loss            the loss buffers, the backward seed, the mean loss broadcast to 
 program         the compiled per-rank program: posts, waits and handlers per lowered step
 comm            the communication engine: asynchronous transfers, packets, handshake
 messages        the first step's headers and the later steps' message checks
-faults          failure notices: every rank raises, naming the failing rank and action
+faults          failure notices: every rank raises, naming the failing rank and action, or
+                the rank to blame when none raised (lost, idle, in another call)
+store           the job's c10d store: who hosts it, every access wrapped (``StoreLost``)
+status          what a blocked process is doing, published only while it blocks
+config          the construction-time agreement: every rank joins, configured alike
 groups          process groups: one per directed rank pair on NCCL, the gloo control group
+lifetime        live pipelines at exit: closed, their gloo groups released, no abort
 stage           the stage runner: F / I / B / W / overlap handlers, per-micro-batch state
 batch           agreement on each batch across ranks
 tensors         a value as a tuple of tensors, a batch split into micro-batches

@@ -70,6 +70,7 @@ class GradClipper:
         self.counted_elsewhere = counted_elsewhere  # ids of tied copies another rank counts
         self.ep_group = expert_groups.ep_group if expert_groups is not None else None
         self.norm: torch.Tensor | None = None
+        self._reduced: Any = None
 
     def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient of this rank by the global norm; return the norm (see the
@@ -84,15 +85,21 @@ class GradClipper:
         inf = math.isinf(norm_type)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         local = None
+        parts = []
         for groups, share in self._shares(params).items():
             part = _partial(share, norm_type, dtype, ctx.device)
             for g in groups:  # the shards of these gradients on other ranks
                 dist.all_reduce(part, op=op, group=g)
+            parts.append(part)
             local = part if local is None else torch.maximum(local, part) if inf else local + part
         if local is None:
             local = torch.zeros((), dtype=dtype, device=ctx.device)
         if ctx.num_ranks > 1:
             dist.all_reduce(local, op=op, group=ctx.group)
+        # Held until the next clip: the gloo worker thread that reduced them may release its
+        # work after this returns, and must not be the one to free their Python objects
+        # (it would need the GIL, fatal at interpreter exit: runtime/lifetime.py).
+        self._reduced = (local, parts)
         total = local if inf else local.pow(1.0 / norm_type)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

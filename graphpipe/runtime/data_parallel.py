@@ -201,9 +201,10 @@ class DataParallel:
             self.faults.replicas = FaultNotices(store, key, ctx.rank)
             self.faults.replica = dist.get_rank(dp_group)
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
-        self._check_layout(ctx)
         self.managed = managed  # ids of parameters another part reduces (FSDP2's)
-        self._sync_state(ctx.modules)
+        with faults.outside("the data-parallel setup", "dp_group"):  # a failed collective
+            self._check_layout(ctx)
+            self._sync_state(ctx.modules)
         last = program.last_grad_steps()
         ids = ctx.stage_ids
         end = len(program.instrs) - 1

@@ -16,18 +16,38 @@ group, all of them the pipeline's own.
   failure closes the pipeline.
 * control: the pipeline's own gloo group over its ranks (batch agreement, the loss, the
   first step's handshake on NCCL); index = pipeline rank.
+
+Every gloo group is handed out as a ``PatientGroup``: the wait on one of its works is this
+process's current wait, and one that blocks gets its status published (``status``: what
+this process blocks in, and on which peer, for the peers that time out on it); NCCL groups
+are not wrapped (their waits are stream dependencies).
+
+Before any group is built, and before each rebuild, the ranks join in the store
+(``config.join``): a rank that does not come within the timeout is named on every rank that
+did, and ranks configured differently raise ``ValueError`` instead of training wrong.
+
+A process that exits (or destroys its process groups) with pipelines alive must not abort:
+``release`` lets go of the gloo groups at exit, before the interpreter finalizes
+(``lifetime``).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["PipelineGroups", "store_key"]
+from graphpipe.errors import PipelineError
+
+from .config import PipelineConfig, join
+from .faults import first_line
+from .status import WATCH
+from .store import JobStore
+
+__all__ = ["PatientGroup", "PipelineGroups", "store_key"]
 
 _created: Counter = Counter()  # keys this process made per (kind, rank set)
 
@@ -48,14 +68,82 @@ def _gloo(store: Any, prefix: str, ranks: Sequence[int], me: int, timeout: datet
     )
 
 
+class _PatientWork:
+    """A work of a ``PatientGroup``: its ``wait`` is this process's current wait while it
+    lasts (``status.WATCH``: the watch thread publishes the status of one that blocks);
+    anything else is the work's."""
+
+    __slots__ = ("group", "work")
+
+    def __init__(self, work: Any, group: PatientGroup) -> None:
+        self.work, self.group = work, group
+
+    def wait(self, *args: Any) -> Any:
+        watch = WATCH
+        watch.current = self
+        try:
+            done = self.work.wait(*args)
+        except BaseException:
+            watch.current = None
+            watch.failed = id(self)  # its status stays for the peers (see status)
+            raise
+        watch.current = None
+        if watch.published:
+            watch.ended(self)
+        return done
+
+    def blocked(self) -> Any:
+        """For the watch thread: what to publish (``status.Watch``)."""
+        group = self.group
+        return group.on_block(group.peer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+class PatientGroup:
+    """A pipeline gloo group whose works' waits are watched (``status``): one that blocks
+    gets this process's status published, made by ``on_block(peer)`` (``peer``: the pipeline
+    rank its P2P goes to; None for the control group's collectives). Any other attribute is
+    the group's. Costs a small object per operation (about 1 us with its wait, see
+    ``profiles/status_cost.py``); no store access unless a wait blocks.
+    """
+
+    def __init__(
+        self, group: Any, on_block: Callable[[int | None], Any], peer: int | None = None
+    ) -> None:
+        self.group, self.on_block, self.peer = group, on_block, peer
+
+    def allreduce(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.allreduce(*args), self)
+
+    def broadcast(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.broadcast(*args), self)
+
+    def send(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.send(*args), self)
+
+    def recv(self, *args: Any) -> _PatientWork:
+        return _PatientWork(self.group.recv(*args), self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+
 class PipelineGroups:
     """The groups one pipeline rank uses (see the module doc).
 
     p2p: ``{(src, dst): (group, the peer's index in it)}`` per directed rank pair (pipeline
         ranks) with traffic that this rank is one end of; empty after ``drop``.
-    control: the gloo control group (None for one rank, or after ``drop``).
+    control: the gloo control group, a ``PatientGroup`` (None for one rank, or after
+        ``drop``).
     global_ranks: the pipeline ranks' global ranks; rank: this pipeline rank.
-    nccl: P2P goes over NCCL. store / key: the job's store and this pipeline's key in it.
+    nccl: P2P goes over NCCL. store / key: the job's store (a ``JobStore``) and this
+    pipeline's key in it. on_block: ``on_block(peer)`` makes the status of a wait that
+    blocks (set by ``Faults``).
+
+    ``config``: this rank's ``PipelineConfig``, agreed on by every rank before anything is
+    built (``config.join``).
     """
 
     def __init__(
@@ -64,13 +152,16 @@ class PipelineGroups:
         edges: Iterable[tuple[int, int]],
         per_edge: bool | None,
         timeout: datetime.timedelta,
+        config: PipelineConfig | None = None,
     ) -> None:
         self.distributed = group is not None
+        self.on_block: Callable[[int | None], Any] | None = None
         if not self.distributed:
             self.global_ranks, self.rank, self.nccl = [0], 0, False
             self.p2p: dict[tuple[int, int], tuple[Any, int]] = {}
             self.control: Any = None
-            self.store, self.key = None, "graphpipe/local"
+            self.store: JobStore | None = None
+            self.key = "graphpipe/local"
             return
         n = dist.get_world_size(group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(n)]
@@ -79,30 +170,68 @@ class PipelineGroups:
         self.per_edge = self.nccl if per_edge is None else per_edge
         self.edges = sorted(e for e in set(edges) if self.rank in e)
         self.timeout = timeout
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = JobStore(dist.distributed_c10d._get_default_store())
         self.key = store_key(self.global_ranks)
         self.generation = 0
         self.p2p, self.control = {}, None
-        self._nccl_p2p = _nccl_edge_groups(group, edges) if self.nccl and n > 1 else {}
+        if n > 1:
+            WATCH.start()
+            join(self.store, self.key, self.rank, self.global_ranks, self._seconds, config)
+        self._nccl_p2p = {}
+        if self.nccl and n > 1:
+            try:
+                self._nccl_p2p = _nccl_edge_groups(group, edges)
+            except RuntimeError as e:  # a peer died after joining, or the store went
+                self.store.check(self.key)  # StoreLost, naming the store's host
+                raise PipelineError(
+                    f"rank {self.rank} could not create the pipeline's NCCL groups after every "
+                    f"rank joined (a peer died meanwhile?): {type(e).__name__}: {first_line(e)}"
+                ) from None
         if n > 1:
             self._build()
 
+    @property
+    def _seconds(self) -> float:
+        return self.timeout.total_seconds()
+
+    def _blocked(self, peer: int | None) -> Any:
+        return self.on_block(peer) if self.on_block is not None else None
+
     def _build(self) -> None:
+        """The gloo groups of this generation; a failure (a peer that died after joining) is a
+        ``PipelineError`` (``StoreLost`` when the store is gone)."""
+        try:
+            self._build_groups()
+        except PipelineError:
+            raise
+        except Exception as e:
+            self.store.check(self.key)  # StoreLost, naming the store's host, if it is gone
+            self.drop()
+            raise PipelineError(
+                f"rank {self.rank} could not build the pipeline's process groups after every "
+                f"rank joined (a peer died meanwhile?): {type(e).__name__}: "
+                f"{first_line(e)}"
+            ) from None
+
+    def _build_groups(self) -> None:
         me = self.global_ranks[self.rank]
         prefix = f"{self.key}/gen{self.generation}"
-        control = _gloo(self.store, f"{prefix}/control", self.global_ranks, me, self.timeout)
-        self.control = control
+        store = self.store.store
+        raw = _gloo(store, f"{prefix}/control", self.global_ranks, me, self.timeout)
+        self.control = PatientGroup(raw, self._blocked)
         for src, dst in self.edges:
-            other = self.global_ranks[dst if src == self.rank else src]
+            peer = dst if src == self.rank else src
+            other = self.global_ranks[peer]
             if self.nccl:
                 g = self._nccl_p2p[(src, dst)]
                 self.p2p[(src, dst)] = (g, dist.get_group_rank(g, other))
             elif self.per_edge:
                 pair = sorted((me, other))
-                g = _gloo(self.store, f"{prefix}/{src}-{dst}", pair, me, self.timeout)
-                self.p2p[(src, dst)] = (g, pair.index(other))
+                g = _gloo(store, f"{prefix}/{src}-{dst}", pair, me, self.timeout)
+                patient = PatientGroup(g, self._blocked, peer)
+                self.p2p[(src, dst)] = (patient, pair.index(other))
             else:
-                self.p2p[(src, dst)] = (control, self.global_ranks.index(other))
+                self.p2p[(src, dst)] = (PatientGroup(raw, self._blocked, peer), peer)
 
     def drop(self) -> None:
         """Let go of the gloo groups (their connections close once nothing else holds them:
@@ -112,9 +241,21 @@ class PipelineGroups:
                 g.abort()
         self.p2p, self.control = {}, None
 
+    def release(self) -> None:
+        """Let go of this pipeline's own gloo groups now (at exit, ``lifetime``): once nothing
+        else holds them, their worker threads are joined. NCCL groups are torch's (registered
+        ``new_group``s): they stay."""
+        self.control = None
+        if not self.nccl:
+            self.p2p = {}
+
     def rebuild(self) -> None:
-        """New gloo groups for the next call (every live pipeline rank calls this, in step)."""
+        """New gloo groups for the next call (every live pipeline rank calls this, in step),
+        after the ranks join again (``config.join``: a rank that does not come back within
+        the timeout is named)."""
         self.generation += 1
+        prefix = f"{self.key}/gen{self.generation}"
+        join(self.store, prefix, self.rank, self.global_ranks, self._seconds, None, "rejoin")
         self._build()
 
     @property

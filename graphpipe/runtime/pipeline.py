@@ -43,11 +43,13 @@ from .checks import (
 )
 from .clipping import GradClipper
 from .comm import CommEngine
+from .config import pipeline_config
 from .context import RankContext
 from .data_parallel import DataParallel, check_stage_wrappers
 from .faults import CommFailure, FaultNotices, Faults
 from .fsdp import ShardedStages
 from .groups import PipelineGroups
+from .lifetime import keep_through_exit
 from .loss import LossReducer
 from .program import compile_program
 from .stage import StageRunner
@@ -230,11 +232,29 @@ class Pipeline:
         infer_lowered = lower(forward_only(self.schedule), self.placement, receives=self.receives)
         infer_transfers = transfers(infer_lowered, self.placement)
         edges = {(t.src, t.dst) for t in train_transfers}
+        # What every rank must agree on, joined in the store before any group is built
+        # (runtime/config.py: a mismatch or a rank that does not come raises on every rank).
+        config = pipeline_config(
+            schedule_name=self.schedule_name,
+            schedule=self.schedule,
+            placement=self.placement,
+            num_microbatches=m,
+            receives=self.receives,
+            per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
+            capture=CAPTURE_MODES[capture],
+            loss_reduction=loss_reduction,
+            dp_group=dp_group,
+            expert_groups=expert_groups,
+            clip_grad_norm=clip_grad_norm,
+            clip_norm_type=clip_norm_type,
+            costs=costs,
+        )
         self.groups = groups = PipelineGroups(
             self.group if distributed else None,
             edges,
             per_edge_groups,
             datetime.timedelta(seconds=seconds(timeout)),
+            config,
         )
         self.engine = engine = CommEngine(
             runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
@@ -288,6 +308,7 @@ class Pipeline:
         self._capture = CaptureDriver(
             ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture
         )
+        keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
 
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Any, labels: Any, *, scaler: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -330,7 +351,7 @@ class Pipeline:
     ) -> tuple[Signature, Any]:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
         faults = self._faults
-        faults.begin()
+        faults.begin("step" if train else "forward")
         faults.action = "batch agreement"
         try:
             return self._agreement.agree(
@@ -351,13 +372,12 @@ class Pipeline:
         """Failures inside a call: reset this rank's step state and tell every rank."""
         try:
             yield
-        except CommFailure as f:
-            self._reset()
-            raise self._faults.consequence(f) from f
         except BaseException as e:
             self._reset()
-            self._faults.original(e)
-            raise
+            error = self._faults.failure(e)  # e itself (published), or a PipelineError
+            if error is e:
+                raise
+            raise error from e
 
     def _reset(self) -> None:
         """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
@@ -389,8 +409,9 @@ class Pipeline:
             # GradScaler keeps what unscale_ found per device in this dict, with no public
             # accessor; step() reads it from there.
             state = scaler._per_optimizer_states[id(optimizer)]
-            for t in state["found_inf_per_device"].values():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            with self._faults.outside("unscale_"):  # a failed all-reduce: PipelineError
+                for t in state["found_inf_per_device"].values():
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 
     @property
     def ranges(self) -> Ranges:
@@ -412,7 +433,8 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``graphpipe.clip_grad_norm_(self, max_norm, norm_type)``."""
-        return self._clipper.clip(max_norm, norm_type)
+        with self._faults.outside("clip_grad_norm_"):  # a failed all-reduce: PipelineError
+            return self._clipper.clip(max_norm, norm_type)
 
     @property
     def grad_norm(self) -> torch.Tensor | None:

@@ -1,0 +1,69 @@
+"""A clean exit with pipelines alive: what happens to them when the process ends.
+
+A script that ends (or calls ``destroy_process_group``) without ``close()`` on its pipelines
+used to abort now and then (``terminate called without an active exception``, SIGABRT: 2 of
+75 runs of a minimal 2-rank gloo script). The core dump shows why: the interpreter was
+finalizing (``Py_FinalizeEx`` -> ``PyGC_Collect`` in the main thread) while a gloo worker
+thread (``ProcessGroupGloo::runLoop``) dropped the last reference to a finished collective of
+the last step (``AsyncBroadcastWork``, the loss broadcast on the pipeline's control group).
+The finalizing GC had already freed the Python object of that work's tensor, so the tensor
+owned it (torch keeps a tensor's Python object alive while C++ still holds the tensor), and
+freeing it needs the GIL (``TensorImpl::decref_pyobject`` -> ``gil_scoped_acquire``). A
+thread that asks for the GIL during finalization is ended by ``pthread_exit``, whose forced
+unwinding through the noexcept ``~AsyncWork`` calls ``std::terminate``. It takes a worker
+thread that is descheduled between finishing a work and releasing it while the main thread
+exits: rare, more so on a busy machine.
+
+So at exit, before the interpreter finalizes, ``release_at_exit`` (an ``atexit`` hook) takes
+every pipeline still alive and
+
+1. closes it (``Pipeline.close``: graphs and plans first, as always);
+2. lets go of its own gloo groups (``PipelineGroups.release``): the last reference goes,
+   and ``~ProcessGroupGloo`` joins its worker threads, each having released its works
+   while the interpreter can still take their tensors' Python objects back;
+3. keeps it alive through finalization (one extra reference that is never dropped): the
+   tensors it holds that works of *other* groups may still hold (the data-parallel
+   buckets and gradients on ``dp_group``, the clipped norm on the pipeline group) keep
+   their Python objects, so no worker thread of those groups needs the GIL for them. The
+   process is ending: the operating system takes the memory back.
+
+``profiles/exit_soak.py`` runs such a script many times: 0 of 150 runs aborted, against 1 of
+150 on the code before this hook (its doc has the figures); ``tests/test_exit_dist.py`` runs
+it twice in the default suite.
+
+Owns: the registry of live pipelines (weak references). May touch: a registered pipeline's
+``close`` and its groups' ``release``, at exit only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import weakref
+from typing import Any
+
+__all__ = ["keep_through_exit", "release_at_exit"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_registered = False
+
+
+def keep_through_exit(pipeline: Any) -> None:
+    """Register ``pipeline`` (with ``close()`` and ``groups.release()``) for the exit hook."""
+    global _registered
+    _LIVE.add(pipeline)
+    if not _registered:
+        atexit.register(release_at_exit)
+        _registered = True
+
+
+def release_at_exit() -> None:
+    """The exit hook (see the module doc); safe to call more than once."""
+    for pipeline in list(_LIVE):
+        with contextlib.suppress(Exception):  # exiting: nothing to report to anyone
+            pipeline.close()
+        with contextlib.suppress(Exception):
+            pipeline.groups.release()
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pipeline))
+        _LIVE.discard(pipeline)
