@@ -137,6 +137,8 @@ def _mismatch_case(rank: int, world: int) -> dict:
     out["m"], out["m_seconds"] = _attempt(lambda: _pipe(rank, world, num_microbatches=m))
     clip = 1.0 if rank == 1 else None
     out["clip"], _ = _attempt(lambda: _pipe(rank, world, clip_grad_norm=clip))
+    reduction = "sum" if rank == 1 else "mean"
+    out["reduction"], _ = _attempt(lambda: _pipe(rank, world, loss_reduction=reduction))
     out["loss"] = _step(_pipe(rank, world), rank)  # a pipeline that agrees still works
     return out
 
@@ -152,6 +154,9 @@ def test_ranks_configured_differently_fail_at_construction_naming_both_values() 
         assert res["m_seconds"] < T  # no timeout: the digests differ at once
         assert (
             res["clip"] == prefix + "rank 1 has clip_grad_norm=1.0, rank 0 has clip_grad_norm=None"
+        )
+        assert res["reduction"] == (
+            prefix + "rank 1 has loss_reduction='sum', rank 0 has loss_reduction='mean'"
         )
     assert torch.equal(r0["loss"], r1["loss"])
 

@@ -246,8 +246,12 @@ class BatchAgreement:
             return f"the pipeline ranks passed different keyword tensors (rank {self.rank}: {mine})"
         prefix = f"{self.groups.key}/kwargs/{call}"
         store.set(f"{prefix}/{self.rank}", repr(kw))
+        keys = [f"{prefix}/{r}" for r in range(self.num_ranks)]
+        # Every rank saw the same digests and writes its key now: the wait is short.
+        if not store.wait(keys, self.groups.timeout.total_seconds()):
+            return f"the pipeline ranks passed different keyword tensors (rank {self.rank}: {mine})"
         sigs = [
-            kw if r == self.rank else _eval_signature(store.get(f"{prefix}/{r}").decode())
+            kw if r == self.rank else _eval_signature(store.get(keys[r]))
             for r in range(self.num_ranks)
         ]
         first = next(r for r in range(self.num_ranks) if digests[r] != digests[0])

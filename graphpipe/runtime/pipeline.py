@@ -234,21 +234,24 @@ class Pipeline:
         edges = {(t.src, t.dst) for t in train_transfers}
         # What every rank must agree on, joined in the store before any group is built
         # (runtime/config.py: a mismatch or a rank that does not come raises on every rank).
-        config = pipeline_config(
-            schedule_name=self.schedule_name,
-            schedule=self.schedule,
-            placement=self.placement,
-            num_microbatches=m,
-            receives=self.receives,
-            per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
-            capture=CAPTURE_MODES[capture],
-            loss_reduction=loss_reduction,
-            dp_group=dp_group,
-            expert_groups=expert_groups,
-            clip_grad_norm=clip_grad_norm,
-            clip_norm_type=clip_norm_type,
-            costs=costs,
-        )
+        # Without torch.distributed there is nothing to agree on (and dp_group is refused).
+        config = None
+        if distributed:
+            config = pipeline_config(
+                schedule_name=self.schedule_name,
+                schedule=self.schedule,
+                placement=self.placement,
+                num_microbatches=m,
+                receives=self.receives,
+                per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
+                capture=CAPTURE_MODES[capture],
+                loss_reduction=loss_reduction,
+                dp_group=dp_group,
+                expert_groups=expert_groups,
+                clip_grad_norm=clip_grad_norm,
+                clip_norm_type=clip_norm_type,
+                costs=costs,
+            )
         self.groups = groups = PipelineGroups(
             self.group if distributed else None,
             edges,
