@@ -12,11 +12,9 @@ run) each rank calls ``dist.destroy_process_group()`` first. A run fails when a 
 with another status (SIGABRT from ``terminate called without an active exception`` is -6)
 or does not print its loss; the first lines of a failed rank's output are shown.
 
-What it showed (the shared 2-core machine, torch 2.13, 2 ranks, ``--runs 150 --parallel 2``,
-about 15 min each): on the code before ``graphpipe/runtime/lifetime.py`` (11c937d), 1 of 150
-runs aborted (rank 0, status -6, ``terminate called without an active exception``, after
-printing its loss); with it, 0 of 150. The cause and the fix are in that module's doc.
-``tests/test_exit_dist.py`` runs two runs of this in the default suite.
+What it shows (2026-12-01, the shared 2-core machine, torch 2.13, 2 ranks, ``--runs 150
+--parallel 2``, about 15 min): 0 of 150 runs aborted. ``graphpipe/runtime/lifetime.py`` says
+what would abort without it. ``tests/test_exit_dist.py`` runs two runs of this in the default suite.
 """
 
 from __future__ import annotations
