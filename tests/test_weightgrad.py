@@ -386,3 +386,53 @@ def test_outside_the_executor_a_large_layer_hands_its_weight_grad_to_autograd():
         for a, b in zip(got, want, strict=True):  # the custom backward's GEMM: ACROSS_KERNELS
             torch.testing.assert_close(a, b, **ACROSS_KERNELS)
         assert lin.weight.grad is None
+
+
+class _NeverDefers(nn.Module):
+    """A layer that takes the store but always computes its weight gradient at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8, dtype=torch.float64))
+
+    def bind_weight_grad_store(self, store: WeightGradStore) -> None:
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _first_steps_warnings(stages, steps: int = 2) -> list[list[str]]:
+    from tests.pipeline_models import batch, mse
+
+    pipe = graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=mse)
+    x, y = batch(4)
+    seen = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe.step(x, y)
+        seen.append([str(w.message) for w in caught if "deferred no weight" in str(w.message)])
+    return seen
+
+
+def test_a_stage_whose_w_actions_find_no_work_is_named_after_the_first_step() -> None:
+    from tests.pipeline_models import build_stages
+
+    stages = build_stages(2)
+    idle = nn.Sequential(_NeverDefers(), _NeverDefers())  # deferrable by count, never defers
+    # one rank: DualPipeV's only W is stage 0's (0I1, 0W1)
+    seen = _first_steps_warnings((idle, stages[1]))
+    assert len(seen[0]) == 1 and "stage(s) [0] deferred no weight gradient" in seen[0][0]
+    assert seen[1] == []  # once
+
+
+def test_stages_that_defer_or_hold_only_frozen_linears_do_not_warn() -> None:
+    from tests.pipeline_models import build_stages
+
+    stages = build_stages(2)
+    assert _first_steps_warnings((stages[0], stages[1]), steps=1) == [[]]
+    stages = build_stages(2)
+    for p in stages[0].parameters():
+        p.requires_grad_(False)
+    assert _first_steps_warnings((stages[0], stages[1]), steps=1) == [[]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -108,7 +109,8 @@ class Pipeline:
             cannot defer warns at construction, naming it; ``graphpipe.no_defer(module)``
             opts out one module. ``pipe.num_deferrable``: a tuple, one entry per stage in
             the order of ``stages``, of the layers that defer (0: that stage's ``W`` does
-            nothing).
+            nothing). A stage with deferrable layers whose ``W`` actions found no work in the
+            first step (a compiled stage with DTensor weights) is named in a warning then.
         clip_grad_norm: clip the gradients to this global norm at the end of every training
             step (``graphpipe.clip_grad_norm_``, after the data-parallel averaging, inside the
             captured step); the norm is then ``pipe.grad_norm``.
@@ -293,6 +295,7 @@ class Pipeline:
         self.tied = TiedWeights(ctx, self.program)  # after the dp reductions, before clipping
         self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
         self._clips = clip_grad_norm is not None
+        self._deferral_checked = False  # _check_deferral after the first step
         if self._clips:
             self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type)
         self._agreement = BatchAgreement(
@@ -345,9 +348,29 @@ class Pipeline:
         with self._guard():
             self.loss.ensure(dtype, frozen=bool(self._capture.captures))
             if self.capture:
-                return self._capture.step(sig, inputs, labels, kwargs)
-            self._capture.activate(None)
-            return self._loop.train(self.program, sig, inputs, labels, kwargs, scaler).clone()
+                loss = self._capture.step(sig, inputs, labels, kwargs)
+            else:
+                self._capture.activate(None)
+                loss = self._loop.train(self.program, sig, inputs, labels, kwargs, scaler).clone()
+        if not self._deferral_checked:
+            self._check_deferral()
+        return loss
+
+    def _check_deferral(self) -> None:
+        """After the first step: warn about stages whose W actions found nothing to do."""
+        self._deferral_checked = True
+        idle = self.runner.idle_weight_stages()
+        if idle:
+            warnings.warn(
+                f"graphpipe: stage(s) {idle} deferred no weight gradient in the first step: "
+                "their W actions had nothing to do and every weight gradient was computed "
+                "during I (known cause: a torch.compile'd stage whose Linear weights are "
+                "DTensors, as with tensor parallelism; graphpipe's compiled weight-gradient "
+                "op has no DTensor rule). Run such a stage uncompiled to defer, or build the "
+                "pipeline with defer_weight_grads=False to say that you do not.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _agree(
         self, inputs: Any, labels: Any, kwargs: dict[str, Any], train: bool

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from graphpipe.meta import StepRecord
-from graphpipe.weightgrad import WeightGradStore, make_deferrable
+from graphpipe.weightgrad import DeferrableLinear, WeightGradStore, make_deferrable
 
 from .tensors import Tensors, as_tuple, plain
 
@@ -136,6 +136,8 @@ class StageRunner:
             for m, st, sid in zip(self.modules, self.stores, self.stage_ids, strict=True)
         )
         m, k = num_microbatches, len(self.modules)
+        # W actions run and the deferred GEMMs they found, per stage (idle_weight_stages).
+        self.w_calls, self.w_work = [0] * k, [0] * k
         self.inputs: list[list[Any]] = [[None] * m for _ in range(k)]  # leaves
         self.outputs: list[list[Any]] = [[None] * m for _ in range(k)]  # with autograd graph
         self.grad_out: list[list[Any]] = [[None] * m for _ in range(k)]
@@ -318,7 +320,21 @@ class StageRunner:
         self._finish_backward(li, mb)
 
     def weight(self, li: int, mb: int) -> None:
-        self.stores[li].run((self.stage_ids[li], mb))
+        self.w_work[li] += self.stores[li].run((self.stage_ids[li], mb))
+        self.w_calls[li] += 1
+
+    def idle_weight_stages(self) -> list[int]:
+        """The stages with deferrable layers holding trainable weights whose W actions have
+        run and found no deferred work at all: every weight gradient was computed in I."""
+        idle = []
+        for li, module in enumerate(self.modules):
+            if not self.num_deferrable[li] or not self.w_calls[li] or self.w_work[li]:
+                continue
+            linears = [m for m in module.modules() if isinstance(m, DeferrableLinear)]
+            if linears and not any(m.weight.requires_grad for m in linears):
+                continue  # frozen Linears: nothing to defer
+            idle.append(self.stage_ids[li])
+        return idle
 
     def overlap(self, fli: int, fmb: int, bli: int, bmb: int, full: bool) -> None:
         """An F&B pair (``full``: the backward is a B, else an I).
