@@ -31,7 +31,6 @@ the pipeline group (one all-reduce of one element).
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from graphpipe.roles import is_expert
 
 from .context import RankContext
 from .program import Program
+from .tensors import is_dtensor, local_shard
 
 __all__ = ["GradClipper", "check_clip_args"]
 
@@ -78,7 +78,7 @@ class GradClipper:
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         ctx = self.ctx
         params = [p for p in ctx.parameters() if p.grad is not None]
-        grads = [_local(p.grad) for p in params]
+        grads = [local_shard(p.grad) for p in params]
         dtype = torch.float32
         for g in grads:
             dtype = torch.promote_types(dtype, g.dtype)
@@ -123,7 +123,7 @@ class GradClipper:
                 continue
             g = p.grad
             groups: tuple = ()
-            if _is_dtensor(g):
+            if is_dtensor(g):
                 groups = _shard_groups(g)
                 g = g.to_local()
             elif sharded_experts and is_expert(p):
@@ -151,16 +151,6 @@ def _partial(
         return torch.zeros((), dtype=dtype, device=device)
     stacked = torch.stack([n.to(dtype) for n in torch._foreach_norm(grads, norm_type)])
     return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor gradient (scaled in place), else the gradient."""
-    return g.to_local() if _is_dtensor(g) else g
 
 
 def _shard_groups(g: Any) -> tuple:

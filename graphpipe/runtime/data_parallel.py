@@ -39,7 +39,9 @@ Stages wrapped in ``DistributedDataParallel`` or FSDP1's ``FullyShardedDataParal
 refused (``check_stage_wrappers``): their hooks would fire per micro-batch and the deferred
 weight gradients bypass them (DDP replicas would drift apart with no error). Stages sharded
 with FSDP2's ``fully_shard`` are supported (``runtime/fsdp.py``): their parameters are
-reduce-scattered by FSDP and left out of this module's averaging (``managed``).
+reduce-scattered by FSDP and left out of this module's averaging (``managed``). A DTensor
+parameter (tensor parallel) is broadcast and averaged as its local shard: the dp replicas of
+one tp rank hold the same shard.
 
 **Failures.** A failure on one replica must end the step on the others too: their ranks
 are waiting on this step's reductions, which the failed replica will never post. On gloo the
@@ -73,7 +75,7 @@ from .context import RankContext
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import store_key
 from .program import Program
-from .tensors import grad_or_zeros
+from .tensors import grad_or_zeros, local_shard
 
 __all__ = ["DataParallel", "check_stage_wrappers"]
 
@@ -135,7 +137,7 @@ class _Bucket:
 
     def load(self) -> torch.Tensor:
         """The tensor to sum: the one gradient in place, or the gradients copied flat."""
-        grads = [grad_or_zeros(p) for p in self.params]
+        grads = [local_shard(grad_or_zeros(p)) for p in self.params]  # a TP shard: its own
         if len(grads) == 1 and grads[0].is_contiguous():
             return grads[0]
         if self.flat is None:
@@ -153,7 +155,8 @@ class _Bucket:
         if target is not self.flat:
             return
         for p, v in zip(self.params, self.views, strict=True):
-            p.grad.copy_(v.view_as(p.grad))
+            g = local_shard(p.grad)
+            g.copy_(v.view_as(g))
 
 
 class DataParallel:
@@ -267,10 +270,11 @@ class DataParallel:
                     if id(t) in seen or id(t) in self.managed:  # FSDP shards differ
                         continue
                     seen.add(id(t))
+                    data = local_shard(t.data)  # a tensor-parallel shard: the same on dp
                     if edp is None or not is_expert(t):
-                        dist.broadcast(t.data, src=src, group=self.group)
+                        dist.broadcast(data, src=src, group=self.group)
                     elif dist.get_world_size(edp) > 1:  # the replicas with the same experts
-                        dist.broadcast(t.data, src=esrc, group=edp)
+                        dist.broadcast(data, src=esrc, group=edp)
 
     # ------------------------------------------------------------------- step
     def start(self, li: int) -> None:
@@ -348,7 +352,7 @@ def _bucketize(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for p in params:
         key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
+        nbytes = local_shard(p).numel() * p.element_size()
         runs = groups.setdefault(key, [[]])
         if runs[-1] and sizes[key] + nbytes > cap:
             runs.append([])
