@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepRecord", "TensorMeta", "describe"]
+__all__ = ["StepRecord", "TensorMeta", "describe", "is_dtensor"]
 
 # Stable codes for dtypes that cross P2P edges (header encoding). Append only.
 DTYPES: tuple[torch.dtype, ...] = (
@@ -25,6 +26,13 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.complex128,
 )
 DTYPE_CODE: dict[torch.dtype, int] = {dt: i for i, dt in enumerate(DTYPES)}
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a module never imported cannot have made one, so this
+    imports nothing)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 @dataclass(frozen=True, slots=True)

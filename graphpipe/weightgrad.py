@@ -34,7 +34,6 @@ module keeps a weak table from numbers to live stores.
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -45,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+
+from graphpipe.meta import is_dtensor
 
 __all__ = [
     "FUSED_ACCUMULATION_MIN_NUMEL",
@@ -290,12 +291,6 @@ class _CompiledLinearFn(torch.autograd.Function):
         return gx, None, None, None, None, None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (a module never imported cannot have made one)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
 def _autocast_copies(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -352,7 +347,7 @@ class DeferrableLinear(nn.Linear):
         # op decides at run time, and a B's weight gradient then goes into .grad fused.
         token = self._wgrad_token
         weight, bias = self.weight, self.bias
-        if token is None or not torch.is_grad_enabled() or _is_dtensor(weight):
+        if token is None or not torch.is_grad_enabled() or is_dtensor(weight):
             # A DTensor weight (tensor parallel): the opaque op has no DTensor sharding rule,
             # so the Linear backward stays whole (the pipeline warns after its first step
             # that the stage's W actions had nothing to do).

@@ -19,6 +19,7 @@ from graphpipe.weightgrad import (
     WeightGradStore,
     make_deferrable,
 )
+from tests.pipeline_models import batch, build_stages, mse
 
 # Float64 results of two different code paths that sum the same few products in other orders
 # (addmm_ accumulating into .grad against mm then add_, the stashed GEMM or a custom backward
@@ -403,8 +404,6 @@ class _NeverDefers(nn.Module):
 
 
 def _first_steps_warnings(stages, steps: int = 2) -> list[list[str]]:
-    from tests.pipeline_models import batch, mse
-
     pipe = graphpipe.DualPipeV(stages, num_microbatches=2, loss_fn=mse)
     x, y = batch(4)
     seen = []
@@ -417,8 +416,6 @@ def _first_steps_warnings(stages, steps: int = 2) -> list[list[str]]:
 
 
 def test_a_stage_whose_w_actions_find_no_work_is_named_after_the_first_step() -> None:
-    from tests.pipeline_models import build_stages
-
     stages = build_stages(2)
     idle = nn.Sequential(_NeverDefers(), _NeverDefers())  # deferrable by count, never defers
     # one rank: DualPipeV's only W is stage 0's (0I1, 0W1)
@@ -428,8 +425,6 @@ def test_a_stage_whose_w_actions_find_no_work_is_named_after_the_first_step() ->
 
 
 def test_stages_that_defer_or_hold_only_frozen_linears_do_not_warn() -> None:
-    from tests.pipeline_models import build_stages
-
     stages = build_stages(2)
     assert _first_steps_warnings((stages[0], stages[1]), steps=1) == [[]]
     stages = build_stages(2)

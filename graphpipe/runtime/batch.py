@@ -241,19 +241,17 @@ class BatchAgreement:
         """Why the ranks' keyword tensors differ: each rank's description goes through the
         store (only on this error), so that every rank names the same rank and keyword."""
         mine = describe_keywords(kw)
+        alone = f"the pipeline ranks passed different keyword tensors (rank {self.rank}: {mine})"
         store = self.groups.store
         if store is None:  # pragma: no cover - a pipeline of several ranks has a store
-            return f"the pipeline ranks passed different keyword tensors (rank {self.rank}: {mine})"
+            return alone
         prefix = f"{self.groups.key}/kwargs/{call}"
         store.set(f"{prefix}/{self.rank}", repr(kw))
         keys = [f"{prefix}/{r}" for r in range(self.num_ranks)]
         # Every rank saw the same digests and writes its key now: the wait is short.
         if not store.wait(keys, self.groups.timeout.total_seconds()):
-            return f"the pipeline ranks passed different keyword tensors (rank {self.rank}: {mine})"
-        sigs = [
-            kw if r == self.rank else _eval_signature(store.get(keys[r]))
-            for r in range(self.num_ranks)
-        ]
+            return alone
+        sigs = [_eval_signature(text) for text in store.multi_get(keys)]
         first = next(r for r in range(self.num_ranks) if digests[r] != digests[0])
         ref, other = dict(sigs[0]), dict(sigs[first])
         name = next(k for k in sorted(set(ref) | set(other)) if ref.get(k) != other.get(k))

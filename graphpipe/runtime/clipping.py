@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphpipe.meta import is_dtensor
 from graphpipe.roles import is_expert
 
 from .context import RankContext
 from .program import Program
-from .tensors import is_dtensor, local_shard
+from .tensors import local_shard
 
 __all__ = ["GradClipper", "check_clip_args"]
 

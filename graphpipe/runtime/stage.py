@@ -136,8 +136,8 @@ class StageRunner:
             for m, st, sid in zip(self.modules, self.stores, self.stage_ids, strict=True)
         )
         m, k = num_microbatches, len(self.modules)
-        # W actions run and the deferred GEMMs they found, per stage (idle_weight_stages).
-        self.w_calls, self.w_work = [0] * k, [0] * k
+        # The deferred GEMMs the W actions found, per stage (idle_weight_stages).
+        self.w_work = [0] * k
         self.inputs: list[list[Any]] = [[None] * m for _ in range(k)]  # leaves
         self.outputs: list[list[Any]] = [[None] * m for _ in range(k)]  # with autograd graph
         self.grad_out: list[list[Any]] = [[None] * m for _ in range(k)]
@@ -321,14 +321,14 @@ class StageRunner:
 
     def weight(self, li: int, mb: int) -> None:
         self.w_work[li] += self.stores[li].run((self.stage_ids[li], mb))
-        self.w_calls[li] += 1
 
     def idle_weight_stages(self) -> list[int]:
-        """The stages with deferrable layers holding trainable weights whose W actions have
-        run and found no deferred work at all: every weight gradient was computed in I."""
+        """The stages with deferrable layers holding trainable weights whose W actions (one
+        per split backward: ``split``) have run and found no deferred work at all: every
+        weight gradient was computed in I."""
         idle = []
         for li, module in enumerate(self.modules):
-            if not self.num_deferrable[li] or not self.w_calls[li] or self.w_work[li]:
+            if not self.num_deferrable[li] or not any(self.split[li]) or self.w_work[li]:
                 continue
             linears = [m for m in module.modules() if isinstance(m, DeferrableLinear)]
             if linears and not any(m.weight.requires_grad for m in linears):

@@ -26,9 +26,10 @@ give.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -89,64 +90,56 @@ class JobStore:
         """This store over a connection of its own (``Store.clone``), for another thread;
         made once."""
         if self._clone is None:
-            try:
+            with self._access():
                 self._clone = JobStore(self.store.clone(), self.host)
-            except Exception as e:
-                raise self._lost(e) from None
         return self._clone
 
     def _lost(self, e: BaseException) -> StoreLost:
         return StoreLost(self.host, e.with_traceback(None))
 
-    def set(self, key: str, value: str) -> None:
+    @contextlib.contextmanager
+    def _access(self) -> Iterator[None]:
+        """Any error of the store access inside is ``StoreLost``."""
         try:
-            self.store.set(key, value)
+            yield
         except Exception as e:
             raise self._lost(e) from None
+
+    def set(self, key: str, value: str) -> None:
+        with self._access():
+            self.store.set(key, value)
 
     def get(self, key: str) -> str:
         """The value of ``key``, which must exist (``check`` first)."""
-        try:
+        with self._access():
             return self.store.get(key).decode()
-        except Exception as e:
-            raise self._lost(e) from None
 
     def check(self, key: str) -> bool:
-        try:
+        with self._access():
             return bool(self.store.check([key]))
-        except Exception as e:
-            raise self._lost(e) from None
 
     def peek(self, key: str) -> str | None:
         """The value of ``key``, or None when it is not set (no waiting)."""
         return self.get(key) if self.check(key) else None
 
     def add(self, key: str, amount: int) -> int:
-        try:
+        with self._access():
             return int(self.store.add(key, amount))
-        except Exception as e:
-            raise self._lost(e) from None
 
     def compare_set(self, key: str, expected: str, desired: str) -> str:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``""``: is not set); the
         value it holds afterwards."""
-        try:
+        with self._access():
             return self.store.compare_set(key, expected, desired).decode()
-        except Exception as e:
-            raise self._lost(e) from None
 
     def delete(self, key: str) -> None:
-        try:
+        with self._access():
             self.store.delete_key(key)
-        except Exception as e:
-            raise self._lost(e) from None
 
     def multi_get(self, keys: Sequence[str]) -> list[str]:
         """The values of ``keys``, which must all exist."""
-        try:
+        with self._access():
             return [v.decode() for v in self.store.multi_get(list(keys))]
-        except Exception as e:
-            raise self._lost(e) from None
 
     def wait(self, keys: Sequence[str], seconds: float) -> bool:
         """Wait up to ``seconds`` for every key of ``keys`` to be set; False at the timeout."""

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "is_dtensor", "local_shard", "plain", "split"]
+from graphpipe.meta import is_dtensor
+
+__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "local_shard", "plain", "split"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -46,12 +48,6 @@ def grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (a module never imported cannot have made one)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
