@@ -8,17 +8,23 @@ port, run it, report, destroy the group and restore what a test may have changed
 variables, default dtype, grad mode, the torch RNG's start seed), ready for the next call.
 
 A call that fails or times out kills its pool (a rank may be stuck in a collective or hold a
-broken group); the next call starts a new one. ``may_die`` calls (a rank is killed on purpose)
-run on their own fresh processes, as does everything when ``GRAPHPIPE_TEST_FRESH_RANKS=1``.
+broken group); the next call starts a new one. Before a rank that gave no result is killed,
+it prints the Python stack of each of its threads to stderr (``faulthandler``, on
+``SIGUSR1``), which pytest shows with the failing test: a hang says where it hangs.
+``may_die`` calls (a rank is killed on purpose) run on their own fresh processes, as does
+everything when ``GRAPHPIPE_TEST_FRESH_RANKS=1``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import itertools
 import os
 import queue as queue_mod
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -63,11 +69,28 @@ def _run_one(
             dist.destroy_process_group()
 
 
+def _dump_on_signal() -> None:
+    """This process prints every thread's stack to stderr on ``SIGUSR1`` (``_dump``)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _dump(procs: list, ranks: list[int]) -> None:
+    """Ask the processes of ``ranks`` for their stacks, and give them a moment to print."""
+    if not ranks or not hasattr(signal, "SIGUSR1"):
+        return
+    for r in ranks:
+        if procs[r].is_alive() and procs[r].pid is not None:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
 def _worker(
     rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any, pg_timeout: float
 ) -> None:
     import torch
 
+    _dump_on_signal()
     torch.set_num_threads(1)
     status, value = _run_one(rank, world, port, fn, args, pg_timeout)
     queue.put((0, rank, status, value))
@@ -77,6 +100,7 @@ def _serve(rank: int, world: int, tasks: Any, results: Any) -> None:
     """A pool rank: run tasks until told to stop, restoring the process between them."""
     import torch
 
+    _dump_on_signal()
     torch.set_num_threads(1)
     environ = dict(os.environ)
     dtype = torch.get_default_dtype()
@@ -127,13 +151,17 @@ def _collect(results: Any, world: int, task_id: int, timeout: float, may_die: tu
 
     got: dict[int, Any] = {}
     errors: list[str] = []
+    missing: list[int] = []  # the ranks that gave no result within the timeout
     required = set(range(world)) - set(may_die)
     while not required <= set(got):
         try:
             tid, rank, status, value = results.get(timeout=timeout)
         except queue_mod.Empty:
-            missing = sorted(required - set(got))
-            errors.append(f"ranks {missing} gave no result within {timeout} s")
+            missing += sorted(required - set(got))
+            errors.append(
+                f"ranks {missing} gave no result within {timeout} s (their stacks are in the "
+                "captured stderr)"
+            )
             break
         if tid != task_id:
             continue  # a late result of an earlier, failed call
@@ -142,7 +170,7 @@ def _collect(results: Any, world: int, task_id: int, timeout: float, may_die: tu
         else:
             errors.append(f"rank {rank}: {value}")
             break
-    return got, errors
+    return got, errors, missing
 
 
 def run_ranks(
@@ -170,8 +198,9 @@ def run_ranks(
     task_id, port = next(_TASK_IDS), free_port()
     for r in range(world):
         pool.tasks[r].put((task_id, port, fn, args, pg_timeout))
-    got, errors = _collect(pool.results, world, task_id, timeout, ())
+    got, errors, missing = _collect(pool.results, world, task_id, timeout, ())
     if errors:
+        _dump(pool.procs, missing)
         pool.kill()
         del _POOLS[world]
         raise RuntimeError("\n".join(errors))
@@ -192,7 +221,8 @@ def _run_fresh(
         p.start()
     errors: list[str] = []
     try:
-        got, errors = _collect(queue, world, 0, timeout, may_die)
+        got, errors, missing = _collect(queue, world, 0, timeout, may_die)
+        _dump(procs, missing)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

@@ -3,11 +3,18 @@
 Every case runs with a pipeline timeout of 300 s and a gloo timeout of 300 s: a rank that
 learned of a failure only through a timeout would hang the test past ``run_ranks``' limit,
 so passing proves the failure travelled by the protocol (``graphpipe.runtime.faults``).
+
+The cases of ``_case`` run with the garbage collector off and keep every error they catch: a
+rank tells the ranks blocked on it by closing its connections, which must not wait for the
+caller to let go of the error, nor for a collection of the cycles an error's traceback may
+form (what made a peer wait for the timeout in CI).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 import pytest
 import torch
@@ -28,6 +35,9 @@ def _arm(pipe, mine, kind: str, stage: int, mb: int, state: dict) -> None:
     """Plant a failure of ``kind`` at ``(stage, mb)`` that fires while ``state['armed']``."""
     from graphpipe.weightgrad import WeightGradStore
 
+    if kind == "F, a peer posts late":  # the culprit's upstream peer posts after the drop
+        _delay_until_failed(pipe, mine, stage - 1, mb + 1, state)
+        kind = "F"
     ids = pipe.stage_ids
     if stage not in ids:
         return
@@ -62,7 +72,38 @@ def _arm(pipe, mine, kind: str, stage: int, mb: int, state: dict) -> None:
     state.setdefault("counters", []).append(calls)
 
 
+def _delay_until_failed(pipe, mine, stage: int, mb: int, state: dict) -> None:
+    """Stage ``stage``'s forward of micro-batch ``mb`` (while armed) returns only once a
+    failure notice of the call is in the store, and the culprit had time to drop its groups:
+    its output's send is then posted to a rank that has already closed its connections."""
+    ids = pipe.stage_ids
+    if stage not in ids:
+        return
+    module = mine[ids.index(stage)]
+    real_forward, calls = module.forward, {"n": 0}
+    faults = pipe._faults
+
+    def forward(*args):
+        calls["n"] += 1
+        if state["armed"] and calls["n"] == mb + 1:
+            while faults.notices.peek(faults.call) is None:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the culprit drops its groups right after publishing
+        return real_forward(*args)
+
+    module.forward = forward
+    state.setdefault("counters", []).append(calls)
+
+
 def _case(rank: int, world: int, kind: str, stage: int, mb: int, fail_step: int) -> dict:
+    gc.disable()
+    try:
+        return _case_without_gc(rank, world, kind, stage, mb, fail_step)
+    finally:
+        gc.enable()
+
+
+def _case_without_gc(rank: int, world: int, kind: str, stage: int, mb: int, fail_step: int) -> dict:
     import graphpipe
 
     mine = local_stages(build_stages(2 * world), rank, world)
@@ -71,6 +112,7 @@ def _case(rank: int, world: int, kind: str, stage: int, mb: int, fail_step: int)
     state = {"armed": False}
     _arm(pipe, mine, kind, stage, mb, state)
     out: dict = {}
+    kept = []  # every error caught, alive until the case ends
     for step in range(fail_step + 2):
         for c in state.get("counters", []):
             c["n"] = 0
@@ -81,6 +123,7 @@ def _case(rank: int, world: int, kind: str, stage: int, mb: int, fail_step: int)
         try:
             loss = pipe.step(x if rank == 0 else None, y if rank == 0 else None)
         except BaseException as e:  # KeyboardInterrupt too
+            kept.append(e)
             out["error"] = f"{type(e).__name__}: {e}"
             out["notes"] = list(getattr(e, "__notes__", []))
             continue
@@ -109,6 +152,8 @@ def _owner(stage: int, world: int) -> int:
         (2, "interrupt", 0, 1, 1, "0F1"),
         (4, "F", 5, 1, 1, "5F1"),
         (4, "not-a-tensor", 2, 0, 1, "2F0"),
+        # rank 1 learns of it at a post, and rank 0 waits on rank 1 only
+        (4, "F, a peer posts late", 2, 0, 1, "2F0"),
     ],
 )
 def test_a_failure_reaches_every_rank_by_name_and_the_next_step_works(
@@ -118,6 +163,7 @@ def test_a_failure_reaches_every_rank_by_name_and_the_next_step_works(
     culprit = _owner(stage, world)
     original = {
         "F": "Boom: planted in F",
+        "F, a peer posts late": "Boom: planted in F",
         "W": "Boom: planted in W",
         "interrupt": "KeyboardInterrupt",
         "not-a-tensor": "TypeError: the output of stage 2 must be a tensor or a tuple of tensors",
@@ -133,6 +179,8 @@ def test_a_failure_reaches_every_rank_by_name_and_the_next_step_works(
             ), f"rank {rank}: {res['error']}"
             assert original.split(":")[0] in res["error"]
             assert "zero the gradients before the next step" in res["error"]
+    if kind == "F, a peer posts late":  # the path under test: rank 1 found out at a post
+        assert "(this rank: rank 1 at post 1SEND_F" in results[1]["error"], results[1]["error"]
 
 
 def _loss_fn_case(rank: int, world: int) -> dict:

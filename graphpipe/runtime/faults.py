@@ -362,7 +362,12 @@ class Faults:
         return PipelineError(f"{lost}{here}; every later call raises PipelineClosed")
 
     def consequence(self, failure: CommFailure) -> PipelineError:
-        """This rank's traffic failed: the error to raise (naming the rank that failed)."""
+        """This rank's traffic failed: the error to raise (naming the rank that failed).
+
+        ``failure`` loses its traceback (it says what failed: ``what``): the frames of the
+        communication it went through hold process groups and posted works, whose connections
+        must close now (``_drop``), not when the caller lets go of the error."""
+        failure.with_traceback(None)
         try:
             return self._consequence(failure)
         except StoreLost as e:

@@ -68,6 +68,16 @@ def _gloo(store: Any, prefix: str, ranks: Sequence[int], me: int, timeout: datet
     )
 
 
+class _Dropped:
+    """What a released ``PatientGroup`` holds instead of its group: any use raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("the pipeline's process groups were dropped")
+
+
+_DROPPED = _Dropped()
+
+
 class _PatientWork:
     """A work of a ``PatientGroup``: its ``wait`` is this process's current wait while it
     lasts (``status.WATCH``: the watch thread publishes the status of one that blocks);
@@ -86,6 +96,7 @@ class _PatientWork:
         except BaseException:
             watch.current = None
             watch.failed = id(self)  # its status stays for the peers (see status)
+            self.work = None  # a failed work holds its connections open: let go of it
             raise
         watch.current = None
         if watch.published:
@@ -113,6 +124,13 @@ class PatientGroup:
         self, group: Any, on_block: Callable[[int | None], Any], peer: int | None = None
     ) -> None:
         self.group, self.on_block, self.peer = group, on_block, peer
+
+    def release(self) -> None:
+        """Let go of the group (``PipelineGroups.drop``): a reference to this object left
+        anywhere (a frame of a failed call's traceback) must not keep its connections open,
+        or the peers blocked on this rank would wait for the timeout. Any later use raises
+        ``RuntimeError``."""
+        self.group = _DROPPED
 
     def allreduce(self, *args: Any) -> _PatientWork:
         return _PatientWork(self.group.allreduce(*args), self)
@@ -234,19 +252,26 @@ class PipelineGroups:
                 self.p2p[(src, dst)] = (PatientGroup(raw, self._blocked, peer), peer)
 
     def drop(self) -> None:
-        """Let go of the gloo groups (their connections close once nothing else holds them:
-        the engine drops its posted work too). NCCL groups are aborted instead."""
+        """Let go of the gloo groups: their connections close once nothing holds them, so
+        every handed-out ``PatientGroup`` is released (the engine lets go of its posted work,
+        ``CommEngine.abandon``; a failed wait of its work, ``_PatientWork``). NCCL groups are
+        aborted instead."""
         if self.nccl:
             for g, _ in self.p2p.values():
                 g.abort()
-        self.p2p, self.control = {}, None
+        self.release()
+        self.p2p = {}
 
     def release(self) -> None:
-        """Let go of this pipeline's own gloo groups now (at exit, ``lifetime``): once nothing
-        else holds them, their worker threads are joined. NCCL groups are torch's (registered
-        ``new_group``s): they stay."""
+        """Let go of this pipeline's own gloo groups now (at exit, ``lifetime``; on
+        ``drop``): once nothing else holds them, their worker threads are joined. NCCL groups
+        are torch's (registered ``new_group``s): they stay."""
+        if self.control is not None:
+            self.control.release()
         self.control = None
         if not self.nccl:
+            for g, _ in self.p2p.values():
+                g.release()
             self.p2p = {}
 
     def rebuild(self) -> None:

@@ -401,9 +401,12 @@ class Pipeline:
         except BaseException as e:
             self._reset()
             error = self._faults.failure(e)  # e itself (published), or a PipelineError
-            if error is e:
-                raise
-            raise error from e
+            try:
+                if error is e:
+                    raise
+                raise error from e
+            finally:  # this frame is in error's traceback: holding error would be a cycle
+                del error
 
     def _reset(self) -> None:
         """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""

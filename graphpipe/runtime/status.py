@@ -184,12 +184,11 @@ class Watch:
         while not self._stop.wait(PERIOD_S):
             cur = self.current
             ident = id(cur) if cur is not None else 0
-            if ident == 0 or ident != seen or self.published == ident:
-                seen = ident
-                continue
-            with contextlib.suppress(Exception):  # the store or the pipeline is gone
-                self._publish(cur, ident)
-            cur = None
+            if ident != 0 and ident == seen and self.published != ident:
+                with contextlib.suppress(Exception):  # the store or the pipeline is gone
+                    self._publish(cur, ident)
+            seen = ident
+            cur = None  # not while sleeping: a wait holds its group's connections open
 
     def _publish(self, cur: Any, ident: int) -> None:
         got = cur.blocked()
