@@ -27,8 +27,9 @@ every pipeline still alive and
    their Python objects, so no worker thread of those groups needs the GIL for them. The
    process is ending: the operating system takes the memory back.
 
-``profiles/exit_soak.py`` runs such a script many times (0 of 150 runs aborted; its doc has
-the command); ``tests/test_exit_dist.py`` runs it twice in the default suite.
+``profiles/exit_soak.py`` runs such a script many times (0 of 150 runs aborted; later, 1 of
+280, cause unknown; its doc has the commands); ``tests/test_exit_dist.py`` runs it twice in
+the default suite.
 
 Owns: the registry of live pipelines (weak references). May touch: a registered pipeline's
 ``close`` and its groups' ``release``, at exit only.
