@@ -86,7 +86,10 @@ def _delay_until_failed(pipe, mine, stage: int, mb: int, state: dict) -> None:
     def forward(*args):
         calls["n"] += 1
         if state["armed"] and calls["n"] == mb + 1:
+            deadline = time.monotonic() + 120.0
             while faults.notices.peek(faults.call) is None:
+                if time.monotonic() > deadline:  # a failure of the case, not a hang
+                    raise RuntimeError(f"no failure notice of call {faults.call} in 120 s")
                 time.sleep(0.01)
             time.sleep(0.5)  # the culprit drops its groups right after publishing
         return real_forward(*args)
