@@ -36,13 +36,12 @@ def _arm(pipe, mine, kind: str, stage: int, mb: int, state: dict) -> None:
     from graphpipe.weightgrad import WeightGradStore
 
     if kind == "F, a peer posts late":  # the culprit's upstream peer posts after the drop
-        _delay_until_failed(pipe, mine, stage - 1, mb + 1, state)
+        _on_forward(pipe, mine, stage - 1, mb + 1, state, lambda: _wait_for_failure(pipe))
         kind = "F"
     ids = pipe.stage_ids
-    if stage not in ids:
-        return
-    module = mine[ids.index(stage)]
     if kind == "W":  # this process's stores share the class: the patch checks which store
+        if stage not in ids:
+            return
         target, real = pipe.stores[ids.index(stage)], WeightGradStore.run
 
         def run(store, key):
@@ -52,50 +51,54 @@ def _arm(pipe, mine, kind: str, stage: int, mb: int, state: dict) -> None:
 
         WeightGradStore.run = run
         return
-    real_forward = module.forward
-    calls = {"n": 0}
 
-    def forward(*args):
-        calls["n"] += 1
-        if state["armed"] and calls["n"] == mb + 1:
-            if kind == "F":
-                raise Boom(f"planted in F of stage {stage} mb {mb}")
-            if kind == "interrupt":
-                raise KeyboardInterrupt
-            if kind == "not-a-tensor":
-                return ["not", "tensors"]
-            if kind == "die":
-                os._exit(3)
-        return real_forward(*args)
+    def planted():
+        if kind == "F":
+            raise Boom(f"planted in F of stage {stage} mb {mb}")
+        if kind == "interrupt":
+            raise KeyboardInterrupt
+        if kind == "not-a-tensor":
+            return ["not", "tensors"]
+        if kind == "die":
+            os._exit(3)
+        return None
 
-    module.forward = forward
-    state.setdefault("counters", []).append(calls)
+    _on_forward(pipe, mine, stage, mb, state, planted)
 
 
-def _delay_until_failed(pipe, mine, stage: int, mb: int, state: dict) -> None:
-    """Stage ``stage``'s forward of micro-batch ``mb`` (while armed) returns only once a
-    failure notice of the call is in the store, and the culprit had time to drop its groups:
-    its output's send is then posted to a rank that has already closed its connections."""
+def _on_forward(pipe, mine, stage: int, mb: int, state: dict, planted) -> None:
+    """While ``state['armed']``, this rank's stage ``stage`` (if it holds it) calls
+    ``planted()`` in its forward of micro-batch ``mb``; what that returns, unless None, is
+    the forward's output."""
     ids = pipe.stage_ids
     if stage not in ids:
         return
     module = mine[ids.index(stage)]
     real_forward, calls = module.forward, {"n": 0}
-    faults = pipe._faults
 
     def forward(*args):
         calls["n"] += 1
         if state["armed"] and calls["n"] == mb + 1:
-            deadline = time.monotonic() + 120.0
-            while faults.notices.peek(faults.call) is None:
-                if time.monotonic() > deadline:  # a failure of the case, not a hang
-                    raise RuntimeError(f"no failure notice of call {faults.call} in 120 s")
-                time.sleep(0.01)
-            time.sleep(0.5)  # the culprit drops its groups right after publishing
+            out = planted()
+            if out is not None:
+                return out
         return real_forward(*args)
 
     module.forward = forward
     state.setdefault("counters", []).append(calls)
+
+
+def _wait_for_failure(pipe) -> None:
+    """Return once a failure notice of the call is in the store, and the culprit had time to
+    drop its groups: the send that follows is posted to a rank whose connections are
+    closed."""
+    faults = pipe._faults
+    deadline = time.monotonic() + 120.0
+    while faults.notices.peek(faults.call) is None:
+        if time.monotonic() > deadline:  # a failure of the case, not a hang
+            raise RuntimeError(f"no failure notice of call {faults.call} in 120 s")
+        time.sleep(0.01)
+    time.sleep(0.5)  # the culprit drops its groups right after publishing
 
 
 def _case(rank: int, world: int, kind: str, stage: int, mb: int, fail_step: int) -> dict:
