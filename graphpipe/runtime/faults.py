@@ -48,7 +48,7 @@ import torch.distributed as dist
 from graphpipe.errors import PipelineClosed, PipelineError
 
 from .status import Blocked, ProcessStatus
-from .store import JobStore, StoreLost
+from .store import JobStore, StoreLost, first_line
 
 __all__ = [
     "CommFailure",
@@ -57,7 +57,6 @@ __all__ = [
     "PipelineClosed",
     "add_note",
     "as_comm_failure",
-    "first_line",
 ]
 
 AGREEMENT = "batch agreement"  # the collective at the start of every call (``batch``)
@@ -101,11 +100,6 @@ def as_comm_failure(exc: BaseException, what: str) -> CommFailure | None:
         if distributed not in last or not last.endswith(_C10D_FILES):
             return None
     return CommFailure(None, what, exc.with_traceback(None))
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (torch's errors append C++ stack traces)."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 def _timed_out(e: BaseException) -> bool:

@@ -43,9 +43,8 @@ import torch.distributed as dist
 from graphpipe.errors import PipelineError
 
 from .config import PipelineConfig, join
-from .faults import first_line
 from .status import WATCH
-from .store import JobStore
+from .store import JobStore, first_line
 
 __all__ = ["PatientGroup", "PipelineGroups", "store_key"]
 

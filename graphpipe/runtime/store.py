@@ -36,7 +36,12 @@ import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
 
-__all__ = ["JobStore", "StoreLost", "store_host"]
+__all__ = ["JobStore", "StoreLost", "first_line", "store_host"]
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (torch's errors append C++ stack traces)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 class StoreLost(PipelineError):
@@ -44,10 +49,9 @@ class StoreLost(PipelineError):
     torch's error. A ``PipelineError``, so that one that escapes is already named."""
 
     def __init__(self, host: str, cause: BaseException) -> None:
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         super().__init__(
             f"the job's c10d store is unreachable: its host, {host}, is gone or cannot be "
-            f"reached ({type(cause).__name__}: {first})"
+            f"reached ({type(cause).__name__}: {first_line(cause)})"
         )
         self.host, self.cause = host, cause
 
