@@ -383,7 +383,12 @@ def causal_lm_loss(
     keyword tensor of ``pipe.step`` (split on dim 0 like the batch), a ``[B]`` tensor holding
     that count in every row (``causal_lm_num_items``; its first element is read, on the
     device). With ``loss_reduction="sum"`` the pipeline's loss and gradients are then HF's
-    ``model(input_ids, attention_mask=..., labels=...)`` on the whole batch.
+    ``model(input_ids, attention_mask=..., labels=...)`` on the whole batch; a batch with no
+    valid token at all gives 0 (HF: NaN), an empty micro-batch adds 0.
+
+    Under ``loss_reduction="mean"`` without ``num_items_in_batch`` a micro-batch with no
+    valid token is refused before the step, on every rank, naming it (``check_labels``): its
+    mean would be 0 / 0.
 
     logits: ``[B, T, V]``; labels: int ``[B, T]``.
     """
@@ -396,8 +401,46 @@ def causal_lm_loss(
     total = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
     count = num_items_in_batch
     if isinstance(count, torch.Tensor):
-        count = count.reshape(-1)[0].to(total.device)
-    return total / count
+        # A batch without a valid token counts 0 items: its loss and gradients are 0 (HF's
+        # sum / 0 is NaN). No host synchronization: clamped on the device.
+        return total / count.reshape(-1)[0].to(total.device).clamp(min=1)
+    return total / max(count, 1)
+
+
+def _check_causal_lm_labels(
+    labels: Any,
+    keywords: tuple[str, ...],
+    *,
+    num_microbatches: int,
+    loss_reduction: str,
+    ignore_index: int = -100,
+) -> None:
+    """``causal_lm_loss.check_labels``, run by the pipeline on the loss rank before a step:
+    under ``loss_reduction="mean"`` without ``num_items_in_batch`` every micro-batch needs a
+    valid token (its loss is the mean over them: 0 / 0 otherwise); ``ValueError`` naming the
+    first micro-batch that has none and the remedy. With ``num_items_in_batch`` an empty
+    micro-batch adds 0 and needs no check."""
+    if loss_reduction != "mean" or "num_items_in_batch" in keywords:
+        return
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return
+    valid = (labels[..., 1:] != ignore_index).reshape(num_microbatches, -1).any(dim=1)
+    empty = [i for i, ok in enumerate(valid.tolist()) if not ok]
+    if empty:
+        rows = labels.shape[0] // num_microbatches
+        i = empty[0]
+        raise ValueError(
+            f"micro-batch {i} (rows {i * rows} to {(i + 1) * rows - 1}) has no valid label "
+            f"(every label past the first token is {ignore_index}; {len(empty)} of "
+            f"{num_microbatches} micro-batches are so): under loss_reduction='mean' its loss, "
+            "the mean over its valid tokens, would be 0 / 0 (NaN). Build the pipeline with "
+            "loss_reduction='sum' and pass num_items_in_batch=causal_lm_num_items(labels) "
+            "(then the step is the loss of one process on the whole batch, empty micro-batches "
+            "included), or leave the empty rows out of the batch"
+        )
+
+
+causal_lm_loss.check_labels = _check_causal_lm_labels  # type: ignore[attr-defined]
 
 
 def causal_lm_num_items(

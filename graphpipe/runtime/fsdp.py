@@ -47,6 +47,7 @@ from typing import Any
 
 from torch import nn
 
+from .accumulation import GradSync
 from .context import RankContext
 from .program import Program
 
@@ -102,7 +103,9 @@ class ShardedStages:
         infer: Program,
         loss_reduction: str,
         capture: str | None,
+        grad_sync: GradSync | None = None,
     ) -> None:
+        self.grad_sync = grad_sync if grad_sync is not None else GradSync()
         self.modules = {li: fsdp_modules(m) for li, m in enumerate(ctx.modules)}
         self.roots = {li: _roots(ms) for li, ms in self.modules.items()}
         self.all = [m for ms in self.modules.values() for m in ms]
@@ -148,9 +151,13 @@ class ShardedStages:
         return [m for ms in self.roots.values() for m in ms]
 
     def finish(self, li: int) -> None:
-        """Local stage ``li``'s gradients are final: reduce-scatter them and reshard."""
+        """Local stage ``li``'s gradients are final: reduce-scatter them and reshard. Inside
+        ``no_sync`` nothing: the unsharded gradients go on accumulating (and the parameters
+        stay unsharded) until the step that reduces."""
         from torch.distributed.fsdp import fully_shard
 
+        if not self.grad_sync.sync:
+            return
         for m in self.modules[li]:
             m.set_requires_gradient_sync(True, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
