@@ -1,9 +1,11 @@
 """The ``graphpipe`` command line: one function per subcommand, registered in ``_SUBCOMMANDS``.
 
 ``graphpipe schedule --ranks N --microbatches M [--schedule dualpipev|1f1b|zbv]
-[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE] [--full]`` prints a
-schedule and what the simulator finds about it (``simulate.figures``, linear in the number of
-actions). Bad input exits with code 2 and a one-line message.
+[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE] [--full]
+[--memory-limit SIZE]`` prints a schedule and what the simulator finds about it
+(``simulate.figures``, linear in the number of actions). Bad input, and a size whose
+estimated memory (``graphpipe.footprint``) is above the limit, exit with code 2 and a
+one-line message before anything is built.
 
 ``--help``, ``--version`` and argument errors import no torch (nor numpy, nor triton): the
 parsers are built from modules that import them only when a command runs, so the command

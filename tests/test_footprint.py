@@ -22,9 +22,10 @@ from graphpipe.schedules import SCHEDULES
 from graphpipe.simulate import figures, resolve_schedule
 
 SIZES = [(2, 4), (4, 16), (16, 64), (16, 128), (4, 256)]
-CASES = [(k, n, m) for k in sorted(SCHEDULES) for n, m in SIZES] + [("zbv", 100, 1)]
-"""Every kind at sizes from a few dozen actions to some 12 000, and ZB-V's key space at
-M = 1 (it generates 2N - 1 micro-batches: 200 x 199 keys for 600 actions)."""
+CASES = [(k, n, m) for k in sorted(SCHEDULES) for n, m in SIZES]
+CASES += [("zbv", 100, 1), ("1f1b", 1000, 1)]
+"""Every kind at sizes from a few dozen actions to some 12 000; ZB-V's key space at M = 1
+(it generates 2N - 1 micro-batches: 200 x 199 keys for 600 actions); many ranks."""
 
 
 def _peak(build) -> int:
