@@ -6,8 +6,11 @@ named, with why). ``OUT.pt`` gets ``graphpipe.checkpoint.export_state_dict`` of 
 ``torch.save`` (to a temporary name, then a rename), so that
 ``model.load_state_dict(torch.load("OUT.pt"), strict=True)`` loads it into the unsplit model.
 
-Argument errors (no ``DIR``, ``OUT.pt`` a directory or in none) exit with status 2 before
-any work; a checkpoint that does not verify or export exits with status 1; one line each.
+``OUT.pt`` is checked first, before ``DIR`` is looked at or anything is read
+(``graphpipe.outputs.check_output_file``, the rule of every command's outputs: its directory
+must exist and be writable, an existing file is overwritten, a directory is refused).
+Argument errors (``OUT.pt`` that cannot be written, no ``DIR``) exit with status 2 before any
+work; a checkpoint that does not verify or export exits with status 1; one line each.
 Only the parser is built on import: the command imports torch when it runs.
 """
 
@@ -18,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from graphpipe.outputs import check_output_file
 
 __all__ = ["add_parser", "run"]
 
@@ -48,13 +53,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str | None:
+    """The output first (nothing is read before it is known to be writable), then ``DIR``."""
+    problem = check_output_file("OUT.pt", args.out)
+    if problem is not None:
+        return problem
     if not os.path.isdir(args.dir):
         return f"{args.dir}: no such directory"
-    if os.path.isdir(args.out):
-        return f"{args.out} is a directory; give a file name"
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent):
-        return f"{args.out}: directory {parent} does not exist"
     return None
 
 

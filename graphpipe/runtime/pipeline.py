@@ -36,6 +36,7 @@ from .checks import (
     CAPTURE_MODES,
     check_arguments,
     check_capture_optimizer,
+    check_disjoint_groups,
     check_expert_groups,
     check_stages,
     float_dtype,
@@ -211,6 +212,10 @@ class Pipeline:
             loss_rank=self.loss_rank,
         )
         self.context = ctx
+        if distributed:  # before any collective: an overlapping group would deadlock a step
+            check_disjoint_groups(
+                self.modules, ctx.global_ranks, self.rank, dp_group, expert_groups
+            )
         split_flags = [[False] * m for _ in self.stage_ids]
         local = {s: i for i, s in enumerate(self.stage_ids)}
         for cell in self.schedule[self.rank]:

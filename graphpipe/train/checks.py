@@ -148,17 +148,22 @@ def check_train(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         return f"--checkpoint-every must be >= 1, got {args.checkpoint_every}"
-    problem = check_model(args)
-    if problem is not None:
-        return problem
+    # The outputs first: nothing (--data, a checkpoint to resume from) is read before them.
     if args.metrics is not None:
         problem = check_output_file("--metrics", args.metrics)
         if problem is not None:
             return problem
+    if args.checkpoint_dir is not None:
+        problem = check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        if problem is not None:
+            return problem
+    problem = check_model(args)
+    if problem is not None:
+        return problem
     if args.checkpoint_dir is None:
         if args.checkpoint_every is not None:
             return "--checkpoint-every needs --checkpoint-dir"
         if args.resume:
             return "--resume needs --checkpoint-dir"
         return None
-    return check_output_dir("--checkpoint-dir", args.checkpoint_dir) or find_resume(args)
+    return find_resume(args)

@@ -266,6 +266,7 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
                     extra=extra,
                     keep=opts["keep_checkpoints"],
                     meta=meta,
+                    resumed_from=opts["resume_from"],
                 )
             if progress is not None:
                 progress.update(
