@@ -1,0 +1,387 @@
+"""Stage plans for real models: every layer measured on the micro-batch's shape, then
+``graphpipe.plan_stages``.
+
+``plan_hf_split(model, num_stages, input_ids=..., num_microbatches=M)`` plans a Hugging Face
+``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3: what ``split_hf_causal_lm`` takes);
+``plan_llama_split(config, num_stages, tokens=..., num_microbatches=M)`` the built-in model.
+Both measure in this process, one piece at a time (``measure_stage``):
+
+* the embedding alone (stage 0 without layers), every decoder layer as a one-layer stage (so
+  each layer's cost includes the rotary embedding and the mask its stage builds: a stage of
+  k layers is predicted as k of those, where the stage builds them once), and the final
+  norm, the head and the loss together;
+* per piece, ``reps`` times after one warm-up: the forward (``F``), the full backward
+  (``B``), and the backward split as the pipeline splits it (``graphpipe.weightgrad``:
+  ``I`` computes the input gradient, the weight-gradient GEMMs of every ``nn.Linear`` are
+  deferred to ``W``); the medians;
+* memory: what autograd saves in the forward (tensors that are not parameters, each storage
+  once: held until the backward), what the deferred GEMMs keep from ``I`` to ``W`` (each
+  ``nn.Linear``'s input and output gradient), and the parameters with their gradients
+  (twice the parameter bytes; optimizer state is not counted).
+
+Each piece runs on a copy of its modules (``copy.deepcopy``), so the model's modules and
+gradients are left as they were. ``num_microbatches`` may be a list of candidates: each is
+measured on its own micro-batch shape and planned, and the fastest plan that fits
+``memory_budget`` is returned.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphpipe.planner import LayerCost, MemoryBudgetExceeded, StagePlan, plan_stages
+
+__all__ = ["measure_stage", "plan_hf_split", "plan_llama_split"]
+
+
+def _floats(out: Any) -> list[torch.Tensor]:
+    """The float tensors of a stage's output (one tensor, or a tuple: MoE's (hidden, aux))."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _saved_bytes(params: set[int]) -> tuple[Any, Callable[[], int]]:
+    """A ``saved_tensors_hooks`` context that counts the bytes autograd saves (each storage
+    once, parameters left out), and the function that reads the count."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return hooks, lambda: sum(seen.values())
+
+
+def _linear_bytes(module: nn.Module) -> tuple[list[Any], Callable[[], int]]:
+    """Forward hooks on every ``nn.Linear``: the bytes of its input (each storage once) and of
+    its output (its gradient's size), what a deferred weight-gradient GEMM keeps until W."""
+    inputs: dict[int, int] = {}
+    outputs = [0]
+
+    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        x = args[0]
+        storage = x.untyped_storage()
+        inputs[storage.data_ptr()] = storage.nbytes()
+        outputs[0] += out.numel() * out.element_size()
+
+    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, nn.Linear)]
+    return handles, lambda: sum(inputs.values()) + outputs[0]
+
+
+def measure_stage(
+    stage: nn.Module,
+    x: torch.Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    reps: int = 3,
+    parameter_bytes: int | None = None,
+) -> LayerCost:
+    """What one micro-batch ``x`` costs in ``stage`` (a copy of it is measured; see the
+    module doc): F, B, I, W seconds (medians of ``reps`` after one warm-up), activation and
+    weight-gradient bytes, and ``parameter_bytes`` (default: twice the stage's parameter
+    bytes, for the parameters and their gradients).
+
+    kwargs: keyword tensors of the stage's forward (an attention mask). loss: applied to the
+    output of a last stage (its backward starts from the loss); other stages' backward
+    starts from a fixed random output gradient.
+    """
+    from graphpipe.weightgrad import WeightGradStore, make_deferrable
+
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got reps={reps!r}")
+    kwargs = dict(kwargs or {})
+    if parameter_bytes is None:
+        parameter_bytes = 2 * sum(p.numel() * p.element_size() for p in stage.parameters())
+    mod = copy.deepcopy(stage)
+    store = WeightGradStore()
+    make_deferrable(mod, store, where=type(stage).__name__)
+    params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    state: dict[str, Any] = {}
+
+    def forward(split: bool = False) -> None:
+        store.split = split
+        inp = x.detach().requires_grad_() if x.is_floating_point() else x
+        out = mod(inp, **kwargs)
+        if loss is not None:
+            out = loss(out)
+        outs = _floats(out)
+        if loss is None:
+            grads = [
+                torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outs
+            ]
+        else:
+            grads = [torch.ones_like(t) for t in outs]
+        state["outs"], state["grads"] = outs, grads
+
+    def backward() -> None:
+        store.accumulating = True
+        try:
+            torch.autograd.backward(state["outs"], state["grads"])
+        finally:
+            store.accumulating = False
+
+    def backward_input() -> None:
+        with store.deferring("W"):
+            torch.autograd.backward(state["outs"], state["grads"])
+
+    def weight() -> None:
+        store.run("W")
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {k: [] for k in "FBIW"}
+    for rep in range(reps + 1):
+        f = timed(forward)
+        b = timed(backward)
+        forward(split=True)
+        i = timed(backward_input)
+        w = timed(weight)
+        if rep:  # the first round warms up
+            for key, value in zip("FBIW", (f, b, i, w)):
+                times[key].append(value)
+        mod.zero_grad(set_to_none=True)
+    hooks, saved = _saved_bytes(params)
+    handles, linear = _linear_bytes(mod)
+    try:
+        with hooks:
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    state.clear()
+    store.clear()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return LayerCost(
+        forward=med["F"],
+        backward_input=med["I"],
+        backward_weight=med["W"],
+        backward=med["B"],
+        activation_bytes=saved(),
+        weight_grad_bytes=linear(),
+        parameter_bytes=parameter_bytes,
+    )
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    return value
+
+
+def _candidates(num_microbatches: int | Sequence[int], batch: int) -> list[int]:
+    values = (
+        list(num_microbatches) if isinstance(num_microbatches, Sequence) else [num_microbatches]
+    )
+    if not values:
+        raise ValueError("num_microbatches: no candidate given")
+    for m in values:
+        _check_int("num_microbatches", m)
+        if batch % m:
+            raise ValueError(
+                f"the batch of {batch} rows does not split into num_microbatches={m} equal "
+                "micro-batches"
+            )
+    return values
+
+
+def _best(plans: list[StagePlan], refused: list[MemoryBudgetExceeded]) -> StagePlan:
+    """The fastest plan, or (none fits the budget) the refusal that comes closest."""
+    if plans:
+        return min(plans, key=lambda p: p.predicted_step_s)
+    raise min(refused, key=lambda e: e.shortfall)
+
+
+def _param_bytes(module: nn.Module | None) -> int:
+    if module is None:
+        return 0
+    return 2 * sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def plan_hf_split(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    num_microbatches: int | Sequence[int],
+    schedule: str = "dualpipev",
+    memory_budget: float | None = None,
+    reps: int = 3,
+    p2p: float = 0.0,
+) -> StagePlan:
+    """Measure a Hugging Face causal LM on one micro-batch of ``input_ids`` (``[B, T]``, the
+    whole step's batch: a micro-batch is ``B / num_microbatches`` rows of it, with the same
+    rows of ``attention_mask`` and ``labels``) and plan its split into ``num_stages`` stages
+    (``graphpipe.plan_stages``, with the schedule, budget and ``p2p`` given here).
+
+    Returns the ``StagePlan``; its ``layers_per_stage`` (``num_stages`` counts summing to
+    ``config.num_hidden_layers``) is what ``split_hf_causal_lm(model, num_stages,
+    layers_per_stage=...)`` takes. The loss is ``causal_lm_loss`` (labels default to
+    ``input_ids``). Raises ``ValueError`` for a model ``split_hf_causal_lm`` refuses, a batch
+    that does not split into ``num_microbatches``, or (``MemoryBudgetExceeded``) no plan that
+    fits ``memory_budget``.
+    """
+    from graphpipe.models.hf import HFCausalLMStage, causal_lm_loss, split_hf_causal_lm
+
+    (whole,) = split_hf_causal_lm(model, 1)  # the model's checks; its modules, not copies
+    _check_int("num_stages", num_stages)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, seq] tensor, got {_shape(input_ids)}")
+    for name, t in (("attention_mask", attention_mask), ("labels", labels)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
+            raise ValueError(
+                f"{name} must have the shape of input_ids {list(input_ids.shape)}, got {_shape(t)}"
+            )
+    labels = input_ids if labels is None else labels
+    config, types = whole.config, list(whole.layer_types)
+    rotary = whole.rotary_emb
+    embed, norm, head = whole.embed_tokens, whole.norm, whole.lm_head
+    tied = head.weight is embed.weight
+    plans: list[StagePlan] = []
+    refused: list[MemoryBudgetExceeded] = []
+    for m in _candidates(num_microbatches, input_ids.shape[0]):
+        rows = input_ids.shape[0] // m
+        ids, lab = input_ids[:rows], labels[:rows]
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask[:rows]}
+
+        def stage(layers: list[nn.Module], first: int, *, edge: str | None = None) -> nn.Module:
+            return HFCausalLMStage(
+                config,
+                layers,
+                first_layer=first,
+                layer_types=types[first : first + len(layers)],
+                rotary_emb=rotary,
+                embed_tokens=embed if edge == "first" else None,
+                norm=norm if edge == "last" else None,
+                lm_head=head if edge == "last" else None,
+            )
+
+        with torch.no_grad():
+            hidden = embed(ids)
+        first = measure_stage(stage([], 0, edge="first"), ids, kwargs=kwargs, reps=reps)
+        layers = [
+            measure_stage(stage([layer], i), hidden, kwargs=kwargs, reps=reps)
+            for i, layer in enumerate(whole.layers)
+        ]
+        last = measure_stage(
+            stage([], len(types), edge="last"),
+            hidden,
+            kwargs=kwargs,
+            loss=lambda logits, lab=lab: causal_lm_loss(logits, lab),
+            reps=reps,
+            parameter_bytes=_param_bytes(norm) + _param_bytes(head),
+        )
+        try:
+            plans.append(
+                plan_stages(
+                    layers,
+                    num_stages,
+                    num_microbatches=m,
+                    schedule=schedule,
+                    first_costs=first,
+                    last_costs=last,
+                    memory_budget=memory_budget,
+                    p2p=p2p,
+                    tied_parameter_bytes=_param_bytes(embed) if tied else 0,
+                )
+            )
+        except MemoryBudgetExceeded as e:
+            refused.append(e)
+    return _best(plans, refused)
+
+
+def plan_llama_split(
+    config: Any,
+    num_stages: int,
+    *,
+    tokens: torch.Tensor,
+    num_microbatches: int | Sequence[int],
+    schedule: str = "dualpipev",
+    memory_budget: float | None = None,
+    reps: int = 3,
+    p2p: float = 0.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> StagePlan:
+    """``plan_hf_split`` for the built-in model of ``config`` (a ``LlamaConfig``; built here
+    with ``seed`` and ``dtype``): ``tokens`` ``[B, T]`` is the step's batch, the loss
+    ``LlamaLoss``. Its ``layers_per_stage`` is what ``build_stages(config, num_stages,
+    layers_per_stage=...)`` and ``graphpipe train --layers-per-stage`` take."""
+    from graphpipe.models.llama import LlamaLoss, build_stages
+
+    _check_int("num_stages", num_stages)
+    if config.num_experts:
+        raise ValueError(
+            f"plan_llama_split: a model with experts (num_experts={config.num_experts}) is "
+            "not planned: its stages carry the load-balancing loss beside the hidden states, "
+            "which measure_stage does not feed"
+        )
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        raise ValueError(f"tokens must be a [batch, seq] tensor, got {_shape(tokens)}")
+    n = config.n_layers
+    # one stage per layer, the embedding and the head alone: every piece is measured apart
+    pieces = build_stages(
+        config, n + 2, seed=seed, dtype=dtype, layers_per_stage=[0] + [1] * n + [0]
+    )
+    loss_fn = LlamaLoss(config.use_kernels)
+    embed = pieces[0].embed
+    plans: list[StagePlan] = []
+    refused: list[MemoryBudgetExceeded] = []
+    for m in _candidates(num_microbatches, tokens.shape[0]):
+        rows = tokens.shape[0] // m
+        x = labels = tokens[:rows]  # the loss's cost does not depend on the labels' values
+        first = measure_stage(pieces[0], x, reps=reps)
+        with torch.no_grad():
+            hidden = pieces[0](x)
+        layers = []
+        for piece in pieces[1:-1]:
+            layers.append(measure_stage(piece, hidden, reps=reps))
+        last = measure_stage(
+            pieces[-1],
+            hidden,
+            loss=lambda out, labels=labels: loss_fn(out, labels),
+            reps=reps,
+        )
+        try:
+            plans.append(
+                plan_stages(
+                    layers,
+                    num_stages,
+                    num_microbatches=m,
+                    schedule=schedule,
+                    first_costs=first,
+                    last_costs=last,
+                    memory_budget=memory_budget,
+                    p2p=p2p,
+                    tied_parameter_bytes=_param_bytes(embed),
+                )
+            )
+        except MemoryBudgetExceeded as e:
+            refused.append(e)
+    return _best(plans, refused)
+
+
+def _shape(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return type(value).__name__
