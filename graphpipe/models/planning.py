@@ -10,10 +10,12 @@ Both measure in this process, one piece at a time (``measure_stage``):
   each layer's cost includes the rotary embedding and the mask its stage builds: a stage of
   k layers is predicted as k of those, where the stage builds them once), and the final
   norm, the head and the loss together;
-* per piece, ``reps`` times after one warm-up: the forward (``F``), the full backward
-  (``B``), and the backward split as the pipeline splits it (``graphpipe.weightgrad``:
-  ``I`` computes the input gradient, the weight-gradient GEMMs of every ``nn.Linear`` are
-  deferred to ``W``); the medians;
+* per piece, ``reps`` rounds after one warm-up round (each round goes over every piece in
+  turn, so that a slow spell of a shared machine falls on all of them alike): the forward
+  (``F``), the full backward (``B``), and the backward split as the pipeline splits it
+  (``graphpipe.weightgrad``: ``I`` computes the input gradient, the weight-gradient GEMMs of
+  every ``nn.Linear`` are deferred to ``W``); per action the fastest round (a busy machine
+  only ever adds time: the least disturbed round is the closest to the piece's own cost);
 * memory: what autograd saves in the forward (tensors that are not parameters, each storage
   once: held until the backward), what the deferred GEMMs keep from ``I`` to ``W`` (each
   ``nn.Linear``'s input and output gradient), and the parameters with their gradients
@@ -28,7 +30,6 @@ measured on its own micro-batch shape and planned, and the fastest plan that fit
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,6 +80,119 @@ def _linear_bytes(module: nn.Module) -> tuple[list[Any], Callable[[], int]]:
     return handles, lambda: sum(inputs.values()) + outputs[0]
 
 
+class _Piece:
+    """One piece (a copy of its modules) with its input, timed a round at a time."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        x: torch.Tensor,
+        kwargs: dict[str, Any] | None,
+        loss: Callable[[Any], torch.Tensor] | None,
+        parameter_bytes: int | None,
+    ) -> None:
+        from graphpipe.weightgrad import WeightGradStore, make_deferrable
+
+        if parameter_bytes is None:
+            parameter_bytes = 2 * sum(p.numel() * p.element_size() for p in stage.parameters())
+        self.parameter_bytes = parameter_bytes
+        self.mod = copy.deepcopy(stage)
+        self.store = WeightGradStore()
+        make_deferrable(self.mod, self.store, where=type(stage).__name__)
+        self.x, self.kwargs, self.loss = x, dict(kwargs or {}), loss
+        self.gen = torch.Generator(device=x.device).manual_seed(0)
+        self.state: dict[str, Any] = {}
+        self.times: dict[str, list[float]] = {k: [] for k in "FBIW"}
+
+    def forward(self, split: bool = False) -> None:
+        self.store.split = split
+        x = self.x
+        inp = x.detach().requires_grad_() if x.is_floating_point() else x
+        out = self.mod(inp, **self.kwargs)
+        if self.loss is not None:
+            out = self.loss(out)
+        outs = _floats(out)
+        if self.loss is None:
+            grads = [
+                torch.randn(t.shape, generator=self.gen, device=t.device, dtype=t.dtype)
+                for t in outs
+            ]
+        else:
+            grads = [torch.ones_like(t) for t in outs]
+        self.state["outs"], self.state["grads"] = outs, grads
+
+    def _backward(self) -> None:
+        self.store.accumulating = True
+        try:
+            torch.autograd.backward(self.state["outs"], self.state["grads"])
+        finally:
+            self.store.accumulating = False
+
+    def _backward_input(self) -> None:
+        with self.store.deferring("W"):
+            torch.autograd.backward(self.state["outs"], self.state["grads"])
+
+    def _weight(self) -> None:
+        self.store.run("W")
+
+    def _timed(self, fn: Callable[[], None]) -> float:
+        cuda = self.x.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.x.device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(self.x.device)
+        return time.perf_counter() - t0
+
+    def round(self, keep: bool) -> None:
+        """F, B, then F again and I, W; ``keep``: count the times (else a warm-up)."""
+        f = self._timed(self.forward)
+        b = self._timed(self._backward)
+        self.forward(split=True)
+        i = self._timed(self._backward_input)
+        w = self._timed(self._weight)
+        if keep:
+            for key, value in zip("FBIW", (f, b, i, w)):
+                self.times[key].append(value)
+        self.mod.zero_grad(set_to_none=True)
+
+    def cost(self) -> LayerCost:
+        """The fastest rounds, and the bytes of one more forward (see the module doc)."""
+        params = {p.untyped_storage().data_ptr() for p in self.mod.parameters()}
+        hooks, saved = _saved_bytes(params)
+        handles, linear = _linear_bytes(self.mod)
+        try:
+            with hooks:
+                self.forward()
+        finally:
+            for h in handles:
+                h.remove()
+        self.state.clear()
+        self.store.clear()
+        med = {k: min(v) for k, v in self.times.items()}  # noise only ever adds time
+        return LayerCost(
+            forward=med["F"],
+            backward_input=med["I"],
+            backward_weight=med["W"],
+            backward=med["B"],
+            activation_bytes=saved(),
+            weight_grad_bytes=linear(),
+            parameter_bytes=self.parameter_bytes,
+        )
+
+
+def _measure(pieces: list[_Piece], reps: int) -> list[LayerCost]:
+    """One warm-up round, then ``reps`` rounds, each over every piece in turn (so that a
+    slow spell of a shared machine falls on all pieces alike, not on one)."""
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got reps={reps!r}")
+    for rep in range(reps + 1):
+        for piece in pieces:
+            piece.round(keep=rep > 0)
+    return [piece.cost() for piece in pieces]
+
+
 def measure_stage(
     stage: nn.Module,
     x: torch.Tensor,
@@ -89,7 +203,7 @@ def measure_stage(
     parameter_bytes: int | None = None,
 ) -> LayerCost:
     """What one micro-batch ``x`` costs in ``stage`` (a copy of it is measured; see the
-    module doc): F, B, I, W seconds (medians of ``reps`` after one warm-up), activation and
+    module doc): F, B, I, W seconds (the fastest of ``reps`` after one warm-up), activation and
     weight-gradient bytes, and ``parameter_bytes`` (default: twice the stage's parameter
     bytes, for the parameters and their gradients).
 
@@ -97,88 +211,7 @@ def measure_stage(
     output of a last stage (its backward starts from the loss); other stages' backward
     starts from a fixed random output gradient.
     """
-    from graphpipe.weightgrad import WeightGradStore, make_deferrable
-
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"reps must be an int >= 1, got reps={reps!r}")
-    kwargs = dict(kwargs or {})
-    if parameter_bytes is None:
-        parameter_bytes = 2 * sum(p.numel() * p.element_size() for p in stage.parameters())
-    mod = copy.deepcopy(stage)
-    store = WeightGradStore()
-    make_deferrable(mod, store, where=type(stage).__name__)
-    params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
-    gen = torch.Generator(device=x.device).manual_seed(0)
-    state: dict[str, Any] = {}
-
-    def forward(split: bool = False) -> None:
-        store.split = split
-        inp = x.detach().requires_grad_() if x.is_floating_point() else x
-        out = mod(inp, **kwargs)
-        if loss is not None:
-            out = loss(out)
-        outs = _floats(out)
-        if loss is None:
-            grads = [
-                torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outs
-            ]
-        else:
-            grads = [torch.ones_like(t) for t in outs]
-        state["outs"], state["grads"] = outs, grads
-
-    def backward() -> None:
-        store.accumulating = True
-        try:
-            torch.autograd.backward(state["outs"], state["grads"])
-        finally:
-            store.accumulating = False
-
-    def backward_input() -> None:
-        with store.deferring("W"):
-            torch.autograd.backward(state["outs"], state["grads"])
-
-    def weight() -> None:
-        store.run("W")
-
-    def timed(fn: Callable[[], None]) -> float:
-        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
-
-    times: dict[str, list[float]] = {k: [] for k in "FBIW"}
-    for rep in range(reps + 1):
-        f = timed(forward)
-        b = timed(backward)
-        forward(split=True)
-        i = timed(backward_input)
-        w = timed(weight)
-        if rep:  # the first round warms up
-            for key, value in zip("FBIW", (f, b, i, w)):
-                times[key].append(value)
-        mod.zero_grad(set_to_none=True)
-    hooks, saved = _saved_bytes(params)
-    handles, linear = _linear_bytes(mod)
-    try:
-        with hooks:
-            forward()
-    finally:
-        for h in handles:
-            h.remove()
-    state.clear()
-    store.clear()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return LayerCost(
-        forward=med["F"],
-        backward_input=med["I"],
-        backward_weight=med["W"],
-        backward=med["B"],
-        activation_bytes=saved(),
-        weight_grad_bytes=linear(),
-        parameter_bytes=parameter_bytes,
-    )
+    return _measure([_Piece(stage, x, kwargs, loss, parameter_bytes)], reps)[0]
 
 
 def _check_int(name: str, value: object) -> int:
@@ -278,19 +311,21 @@ def plan_hf_split(
 
         with torch.no_grad():
             hidden = embed(ids)
-        first = measure_stage(stage([], 0, edge="first"), ids, kwargs=kwargs, reps=reps)
-        layers = [
-            measure_stage(stage([layer], i), hidden, kwargs=kwargs, reps=reps)
+        pieces = [_Piece(stage([], 0, edge="first"), ids, kwargs, None, None)]
+        pieces += [
+            _Piece(stage([layer], i), hidden, kwargs, None, None)
             for i, layer in enumerate(whole.layers)
         ]
-        last = measure_stage(
-            stage([], len(types), edge="last"),
-            hidden,
-            kwargs=kwargs,
-            loss=lambda logits, lab=lab: causal_lm_loss(logits, lab),
-            reps=reps,
-            parameter_bytes=_param_bytes(norm) + _param_bytes(head),
+        pieces.append(
+            _Piece(
+                stage([], len(types), edge="last"),
+                hidden,
+                kwargs,
+                lambda logits, lab=lab: causal_lm_loss(logits, lab),
+                _param_bytes(norm) + _param_bytes(head),
+            )
         )
+        first, *layers, last = _measure(pieces, reps)
         try:
             plans.append(
                 plan_stages(
@@ -350,18 +385,14 @@ def plan_llama_split(
     for m in _candidates(num_microbatches, tokens.shape[0]):
         rows = tokens.shape[0] // m
         x = labels = tokens[:rows]  # the loss's cost does not depend on the labels' values
-        first = measure_stage(pieces[0], x, reps=reps)
         with torch.no_grad():
             hidden = pieces[0](x)
-        layers = []
-        for piece in pieces[1:-1]:
-            layers.append(measure_stage(piece, hidden, reps=reps))
-        last = measure_stage(
-            pieces[-1],
-            hidden,
-            loss=lambda out, labels=labels: loss_fn(out, labels),
-            reps=reps,
+        parts = [_Piece(pieces[0], x, None, None, None)]
+        parts += [_Piece(piece, hidden, None, None, None) for piece in pieces[1:-1]]
+        parts.append(
+            _Piece(pieces[-1], hidden, None, lambda out, labels=labels: loss_fn(out, labels), None)
         )
+        first, *layers, last = _measure(parts, reps)
         try:
             plans.append(
                 plan_stages(
