@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from graphpipe.models import LlamaConfig, measure_stage, plan_hf_split, plan_llama_split
+from graphpipe.models.planning import rank_threads
 from graphpipe.planner import MemoryBudgetExceeded, StagePlan
 from graphpipe.splits import check_layers_per_stage
 
@@ -121,3 +122,25 @@ def test_plan_llama_split_plans_the_built_in_model() -> None:
             tokens=tokens,
             num_microbatches=4,
         )
+
+
+def test_pieces_are_measured_with_the_threads_each_rank_will_have(monkeypatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert rank_threads(4, "dualpipev") == 8  # 2 ranks
+    assert rank_threads(4, "1f1b") == 4  # 4 ranks
+    assert rank_threads(16, "auto") == 2  # 8 ranks
+    assert rank_threads(64, "1f1b") == 1
+    with pytest.raises(ValueError, match=r"unknown schedule 'gpipe'"):
+        rank_threads(4, "gpipe")
+
+
+def test_the_threads_setting_is_restored_after_measuring() -> None:
+    before = torch.get_num_threads()
+    seen = []
+    lin = nn.Linear(4, 4)
+    lin.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+    from graphpipe.models.planning import _measure, _Piece
+
+    _measure([_Piece(lin, torch.randn(2, 4), None, None, None)], 1, threads=1)
+    assert set(seen) == {1}
+    assert torch.get_num_threads() == before

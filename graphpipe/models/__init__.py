@@ -34,7 +34,7 @@ from graphpipe.models.moe import (
     reset_dropped_tokens,
 )
 from graphpipe.models.overlap import MoEEvent
-from graphpipe.models.planning import measure_stage, plan_hf_split, plan_llama_split
+from graphpipe.models.planning import measure_stage, plan_hf_split, plan_llama_split, rank_threads
 
 __all__ = [
     "EXPERT_ATTR",
@@ -64,6 +64,7 @@ __all__ = [
     "num_parameters",
     "plan_hf_split",
     "plan_llama_split",
+    "rank_threads",
     "reset_dropped_tokens",
     "split_hf_causal_lm",
     "unique_parameters",

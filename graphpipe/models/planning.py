@@ -16,6 +16,8 @@ Both measure in this process, one piece at a time (``measure_stage``):
   (``graphpipe.weightgrad``: ``I`` computes the input gradient, the weight-gradient GEMMs of
   every ``nn.Linear`` are deferred to ``W``); per action the fastest round (a busy machine
   only ever adds time: the least disturbed round is the closest to the piece's own cost);
+* on the CPU with as many intra-op threads as each rank of the pipeline will have
+  (``rank_threads``: the cores over the ranks, as ``graphpipe.launch`` sets them);
 * memory: what autograd saves in the forward (tensors that are not parameters, each storage
   once: held until the backward), what the deferred GEMMs keep from ``I`` to ``W`` (each
   ``nn.Linear``'s input and output gradient), and the parameters with their gradients
@@ -39,7 +41,7 @@ from torch import nn
 
 from graphpipe.planner import LayerCost, MemoryBudgetExceeded, StagePlan, plan_stages
 
-__all__ = ["measure_stage", "plan_hf_split", "plan_llama_split"]
+__all__ = ["measure_stage", "plan_hf_split", "plan_llama_split", "rank_threads"]
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
@@ -182,15 +184,48 @@ class _Piece:
         )
 
 
-def _measure(pieces: list[_Piece], reps: int) -> list[LayerCost]:
+def _measure(pieces: list[_Piece], reps: int, threads: int | None = None) -> list[LayerCost]:
     """One warm-up round, then ``reps`` rounds, each over every piece in turn (so that a
-    slow spell of a shared machine falls on all pieces alike, not on one)."""
+    slow spell of a shared machine falls on all pieces alike, not on one), with ``threads``
+    intra-op threads (None: torch's setting as it is)."""
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps must be an int >= 1, got reps={reps!r}")
-    for rep in range(reps + 1):
-        for piece in pieces:
-            piece.round(keep=rep > 0)
-    return [piece.cost() for piece in pieces]
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for rep in range(reps + 1):
+            for piece in pieces:
+                piece.round(keep=rep > 0)
+        return [piece.cost() for piece in pieces]
+    finally:
+        torch.set_num_threads(before)
+
+
+def rank_threads(num_stages: int, schedule: str) -> int:
+    """The intra-op threads ``graphpipe.launch`` gives each CPU rank of a pipeline of
+    ``num_stages`` stages under ``schedule`` (a name, or ``"auto"``) on this machine: the
+    cores over the ranks."""
+    import os
+
+    from graphpipe.schedules import SCHEDULES
+
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise ValueError(
+            f'unknown schedule {schedule!r}: expected "auto" or one of {sorted(SCHEDULES)}'
+        )
+    per_rank = 2 if schedule == "auto" else SCHEDULES[schedule].stages_per_rank
+    return max(1, (os.cpu_count() or 1) // max(1, num_stages // per_rank))
+
+
+def _threads(
+    threads: int | None, device: torch.device, num_stages: int, schedule: str
+) -> int | None:
+    """The threads to measure with (see ``plan_hf_split``); checks ``schedule`` first."""
+    default = rank_threads(num_stages, schedule)
+    if threads is not None:
+        return _check_int("threads", threads)
+    return default if device.type == "cpu" else None
 
 
 def measure_stage(
@@ -261,11 +296,16 @@ def plan_hf_split(
     memory_budget: float | None = None,
     reps: int = 3,
     p2p: float = 0.0,
+    threads: int | None = None,
 ) -> StagePlan:
     """Measure a Hugging Face causal LM on one micro-batch of ``input_ids`` (``[B, T]``, the
     whole step's batch: a micro-batch is ``B / num_microbatches`` rows of it, with the same
     rows of ``attention_mask`` and ``labels``) and plan its split into ``num_stages`` stages
     (``graphpipe.plan_stages``, with the schedule, budget and ``p2p`` given here).
+
+    threads: torch's intra-op threads while measuring on the CPU (default ``rank_threads``:
+    what each rank of the planned pipeline gets from ``graphpipe.launch`` on this machine,
+    so that a piece costs what it will cost on its rank); restored afterwards.
 
     Returns the ``StagePlan``; its ``layers_per_stage`` (``num_stages`` counts summing to
     ``config.num_hidden_layers``) is what ``split_hf_causal_lm(model, num_stages,
@@ -286,6 +326,7 @@ def plan_hf_split(
                 f"{name} must have the shape of input_ids {list(input_ids.shape)}, got {_shape(t)}"
             )
     labels = input_ids if labels is None else labels
+    threads = _threads(threads, input_ids.device, num_stages, schedule)
     config, types = whole.config, list(whole.layer_types)
     rotary = whole.rotary_emb
     embed, norm, head = whole.embed_tokens, whole.norm, whole.lm_head
@@ -325,7 +366,7 @@ def plan_hf_split(
                 _param_bytes(norm) + _param_bytes(head),
             )
         )
-        first, *layers, last = _measure(pieces, reps)
+        first, *layers, last = _measure(pieces, reps, threads)
         try:
             plans.append(
                 plan_stages(
@@ -355,6 +396,7 @@ def plan_llama_split(
     memory_budget: float | None = None,
     reps: int = 3,
     p2p: float = 0.0,
+    threads: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> StagePlan:
@@ -373,6 +415,7 @@ def plan_llama_split(
         )
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"tokens must be a [batch, seq] tensor, got {_shape(tokens)}")
+    threads = _threads(threads, tokens.device, num_stages, schedule)
     n = config.n_layers
     # one stage per layer, the embedding and the head alone: every piece is measured apart
     pieces = build_stages(
@@ -392,7 +435,7 @@ def plan_llama_split(
         parts.append(
             _Piece(pieces[-1], hidden, None, lambda out, labels=labels: loss_fn(out, labels), None)
         )
-        first, *layers, last = _measure(parts, reps)
+        first, *layers, last = _measure(parts, reps, threads)
         try:
             plans.append(
                 plan_stages(
