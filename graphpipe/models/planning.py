@@ -278,12 +278,6 @@ def _best(plans: list[StagePlan], refused: list[MemoryBudgetExceeded]) -> StageP
     raise min(refused, key=lambda e: e.shortfall)
 
 
-def _param_bytes(module: nn.Module | None) -> int:
-    if module is None:
-        return 0
-    return 2 * sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 def plan_hf_split(
     model: nn.Module,
     num_stages: int,
@@ -314,9 +308,9 @@ def plan_hf_split(
     that does not split into ``num_microbatches``, or (``MemoryBudgetExceeded``) no plan that
     fits ``memory_budget``.
     """
-    from graphpipe.models.hf import HFCausalLMStage, causal_lm_loss, split_hf_causal_lm
+    from graphpipe.models.hf import causal_lm_loss
 
-    (whole,) = split_hf_causal_lm(model, 1)  # the model's checks; its modules, not copies
+    pieces = _one_layer_stages(model)  # the model's checks; its modules, not copies
     _check_int("num_stages", num_stages)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [batch, seq] tensor, got {_shape(input_ids)}")
@@ -327,46 +321,26 @@ def plan_hf_split(
             )
     labels = input_ids if labels is None else labels
     threads = _threads(threads, input_ids.device, num_stages, schedule)
-    config, types = whole.config, list(whole.layer_types)
-    rotary = whole.rotary_emb
-    embed, norm, head = whole.embed_tokens, whole.norm, whole.lm_head
-    tied = head.weight is embed.weight
     plans: list[StagePlan] = []
     refused: list[MemoryBudgetExceeded] = []
     for m in _candidates(num_microbatches, input_ids.shape[0]):
         rows = input_ids.shape[0] // m
         ids, lab = input_ids[:rows], labels[:rows]
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask[:rows]}
-
-        def stage(layers: list[nn.Module], first: int, *, edge: str | None = None) -> nn.Module:
-            return HFCausalLMStage(
-                config,
-                layers,
-                first_layer=first,
-                layer_types=types[first : first + len(layers)],
-                rotary_emb=rotary,
-                embed_tokens=embed if edge == "first" else None,
-                norm=norm if edge == "last" else None,
-                lm_head=head if edge == "last" else None,
-            )
-
         with torch.no_grad():
-            hidden = embed(ids)
-        pieces = [_Piece(stage([], 0, edge="first"), ids, kwargs, None, None)]
-        pieces += [
-            _Piece(stage([layer], i), hidden, kwargs, None, None)
-            for i, layer in enumerate(whole.layers)
-        ]
-        pieces.append(
+            hidden = pieces[0](ids, **kwargs)
+        parts = [_Piece(pieces[0], ids, kwargs, None, None)]
+        parts += [_Piece(piece, hidden, kwargs, None, None) for piece in pieces[1:-1]]
+        parts.append(
             _Piece(
-                stage([], len(types), edge="last"),
+                pieces[-1],
                 hidden,
                 kwargs,
                 lambda logits, lab=lab: causal_lm_loss(logits, lab),
-                _param_bytes(norm) + _param_bytes(head),
+                None,
             )
         )
-        first, *layers, last = _measure(pieces, reps, threads)
+        first, *layers, last = _measure(parts, reps, threads)
         try:
             plans.append(
                 plan_stages(
@@ -378,12 +352,49 @@ def plan_hf_split(
                     last_costs=last,
                     memory_budget=memory_budget,
                     p2p=p2p,
-                    tied_parameter_bytes=_param_bytes(embed) if tied else 0,
+                    tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
                 )
             )
         except MemoryBudgetExceeded as e:
             refused.append(e)
     return _best(plans, refused)
+
+
+def _shared_bytes(a: nn.Module, b: nn.Module) -> int:
+    """Twice the bytes of the parameters ``a`` and ``b`` share (a tied embedding and head)."""
+    mine = {id(p) for p in a.parameters()}
+    return 2 * sum(p.numel() * p.element_size() for p in b.parameters() if id(p) in mine)
+
+
+def _one_layer_stages(model: nn.Module) -> list[nn.Module]:
+    """``model`` as ``split_hf_causal_lm`` splits it into ``L + 2`` stages: the embedding
+    alone, one decoder layer each, the final norm and head alone (the model's modules)."""
+    import inspect
+
+    from graphpipe.models.hf import HFCausalLMStage, split_hf_causal_lm
+
+    (whole,) = split_hf_causal_lm(model, 1)
+    n = len(whole.layers)
+    if "layers_per_stage" in inspect.signature(split_hf_causal_lm).parameters:
+        return split_hf_causal_lm(model, n + 2, layers_per_stage=[0] + [1] * n + [0])
+    # An hf.py whose split takes no layers_per_stage= yet (it takes the Llama layout only):
+    # the same stages, built as its split builds them.
+    types = list(whole.layer_types)
+
+    def stage(layers: list[nn.Module], first: int, edge: str | None = None) -> nn.Module:
+        return HFCausalLMStage(
+            whole.config,
+            layers,
+            first_layer=first,
+            layer_types=types[first : first + len(layers)],
+            rotary_emb=whole.rotary_emb,
+            embed_tokens=whole.embed_tokens if edge == "first" else None,
+            norm=whole.norm if edge == "last" else None,
+            lm_head=whole.lm_head if edge == "last" else None,
+        )
+
+    middle = [stage([layer], i) for i, layer in enumerate(whole.layers)]
+    return [stage([], 0, "first"), *middle, stage([], n, "last")]
 
 
 def plan_llama_split(
@@ -422,7 +433,6 @@ def plan_llama_split(
         config, n + 2, seed=seed, dtype=dtype, layers_per_stage=[0] + [1] * n + [0]
     )
     loss_fn = LlamaLoss(config.use_kernels)
-    embed = pieces[0].embed
     plans: list[StagePlan] = []
     refused: list[MemoryBudgetExceeded] = []
     for m in _candidates(num_microbatches, tokens.shape[0]):
@@ -447,7 +457,7 @@ def plan_llama_split(
                     last_costs=last,
                     memory_budget=memory_budget,
                     p2p=p2p,
-                    tied_parameter_bytes=_param_bytes(embed),
+                    tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
                 )
             )
         except MemoryBudgetExceeded as e:
