@@ -129,6 +129,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="float32",
         help="the model's dtype (default float32)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the pieces are measured: cpu (with the threads each of the --ranks CPU "
+        "ranks gets) or cuda (the current GPU) (default cpu)",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     g = p.add_argument_group("the built-in model (without --hf)")
     g.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
@@ -148,6 +155,11 @@ def _check(args: argparse.Namespace) -> str | None:
     for name in ("ranks", "batch_size", "seq_len", "reps", "hidden", "heads"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"--device cuda: CUDA is not available to this torch ({torch.__version__})"
     if not args.p2p >= 0:
         return f"--p2p must be >= 0, got {args.p2p}"
     if args.microbatches is None:
@@ -221,9 +233,10 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         if args.hf is not None:
-            model = _hf_model(args.hf_config, dtype)
+            model = _hf_model(args.hf_config, dtype).to(args.device)
             vocab = model.config.vocab_size
             ids = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=gen)
+            ids = ids.to(args.device)
             plan = plan_hf_split(model, stages, input_ids=ids, **common)
             what = f"{type(model).__name__} from {args.hf}"
             layers = model.config.num_hidden_layers
@@ -238,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
             tokens = torch.randint(
                 0, cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen
             )
-            plan = plan_llama_split(cfg, stages, tokens=tokens, dtype=dtype, **common)
+            plan = plan_llama_split(
+                cfg, stages, tokens=tokens, dtype=dtype, device=args.device, **common
+            )
             what = f"the built-in model (hidden {args.hidden}, {args.heads} heads)"
             layers = args.layers
     except MemoryBudgetExceeded as e:
@@ -252,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{what}: {layers} layers; micro-batch {rows} x {args.seq_len} tokens, {args.dtype}; "
-        f"costs measured here, {args.reps} rounds per piece"
+        f"costs measured here ({args.device}), {args.reps} rounds per piece"
     )
     print(plan.format())
     flag = ",".join(map(str, plan.layers_per_stage))

@@ -99,3 +99,16 @@ def test_parse_bytes_reads_units() -> None:
     assert parse_bytes("512MB") == 512 * 10**6
     assert parse_bytes("1e9") == 10**9
     assert parse_bytes("100") == 100
+
+
+def test_cuda_without_cuda_is_an_argument_error(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    code, _, err = _run(["--device", "cuda"], capsys)
+    assert code == 2
+    assert err == (
+        f"graphpipe plan: error: --device cuda: CUDA is not available to this torch "
+        f"({torch.__version__})\n"
+    )

@@ -410,11 +410,13 @@ def plan_llama_split(
     threads: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> StagePlan:
     """``plan_hf_split`` for the built-in model of ``config`` (a ``LlamaConfig``; built here
-    with ``seed`` and ``dtype``): ``tokens`` ``[B, T]`` is the step's batch, the loss
-    ``LlamaLoss``. Its ``layers_per_stage`` is what ``build_stages(config, num_stages,
-    layers_per_stage=...)`` and ``graphpipe train --layers-per-stage`` take."""
+    with ``seed`` and ``dtype`` on ``device``, default ``tokens``' device): ``tokens``
+    ``[B, T]`` is the step's batch, the loss ``LlamaLoss``. Its ``layers_per_stage`` is what
+    ``build_stages(config, num_stages, layers_per_stage=...)`` and ``graphpipe train
+    --layers-per-stage`` take."""
     from graphpipe.models.llama import LlamaLoss, build_stages
 
     _check_int("num_stages", num_stages)
@@ -426,11 +428,18 @@ def plan_llama_split(
         )
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise ValueError(f"tokens must be a [batch, seq] tensor, got {_shape(tokens)}")
-    threads = _threads(threads, tokens.device, num_stages, schedule)
+    device = tokens.device if device is None else torch.device(device)
+    tokens = tokens.to(device)
+    threads = _threads(threads, device, num_stages, schedule)
     n = config.n_layers
     # one stage per layer, the embedding and the head alone: every piece is measured apart
     pieces = build_stages(
-        config, n + 2, seed=seed, dtype=dtype, layers_per_stage=[0] + [1] * n + [0]
+        config,
+        n + 2,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        layers_per_stage=[0] + [1] * n + [0],
     )
     loss_fn = LlamaLoss(config.use_kernels)
     plans: list[StagePlan] = []
