@@ -9,7 +9,8 @@ Both measure in this process, one piece at a time (``measure_stage``):
 * the embedding alone (stage 0 without layers), every decoder layer as a one-layer stage (so
   each layer's cost includes the rotary embedding and the mask its stage builds: a stage of
   k layers is predicted as k of those, where the stage builds them once), and the final
-  norm, the head and the loss together;
+  norm, the head and the loss together: the stages ``split_hf_causal_lm(model, L + 2,
+  layers_per_stage=[0, 1, ..., 1, 0])`` (``build_stages`` for the built-in model) makes;
 * per piece, ``reps`` rounds after one warm-up round (each round goes over every piece in
   turn, so that a slow spell of a shared machine falls on all of them alike): the forward
   (``F``), the full backward (``B``), and the backward split as the pipeline splits it
