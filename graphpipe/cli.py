@@ -307,6 +307,7 @@ _FORMATS: dict[str, Callable[[Cells, dict[str, Any], bool], None]] = {
 
 _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
     "schedule": _add_schedule_parser,
+    "plan": lambda sub: _lazy("plan_command").add_parser(sub),
     "train": lambda sub: _lazy("train").add_parser(sub),
     "bench": lambda sub: _lazy("bench").add_parser(sub),
     "profile": lambda sub: _lazy("profile").add_parser(sub),
@@ -315,7 +316,8 @@ _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.Argument
 
 
 def _lazy(name: str) -> Any:
-    """Subcommands that live in their own module (``graphpipe.train``, ``graphpipe.bench``)."""
+    """Subcommands that live in their own module (``graphpipe.train``, ``graphpipe.bench``,
+    ``graphpipe.plan_command``)."""
     import importlib
 
     return importlib.import_module(f"graphpipe.{name}")

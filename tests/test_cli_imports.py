@@ -98,6 +98,9 @@ def test_help_and_version_import_no_torch(argv: list[str], tmp_path: Path) -> No
             "--batch-size",
             "2000000000",
         ],
+        ["plan", "--memory-budget", "lots"],
+        ["plan", "--hf", "/no/such/config"],  # a check after parsing
+        ["plan", "--batch-size", "10", "--microbatches", "4"],
     ],
     ids=lambda argv: " ".join(argv) or "(no command)",
 )

@@ -1,7 +1,9 @@
 """Models that split into pipeline stages for graphpipe.
 
 ``split_hf_causal_lm``, ``causal_lm_loss`` and ``causal_lm_num_items`` (``graphpipe.models.hf``)
-work on Hugging Face models without importing transformers themselves."""
+work on Hugging Face models without importing transformers themselves; ``plan_hf_split`` and
+``plan_llama_split`` (``graphpipe.models.planning``) measure a model's layers and plan its
+split (``graphpipe.plan_stages``)."""
 
 from graphpipe.models.hf import causal_lm_loss, causal_lm_num_items, split_hf_causal_lm
 from graphpipe.models.llama import (
@@ -32,6 +34,7 @@ from graphpipe.models.moe import (
     reset_dropped_tokens,
 )
 from graphpipe.models.overlap import MoEEvent
+from graphpipe.models.planning import measure_stage, plan_hf_split, plan_llama_split, rank_threads
 
 __all__ = [
     "EXPERT_ATTR",
@@ -57,7 +60,11 @@ __all__ = [
     "is_expert_parameter",
     "layers_per_stage",
     "llama_loss",
+    "measure_stage",
     "num_parameters",
+    "plan_hf_split",
+    "plan_llama_split",
+    "rank_threads",
     "reset_dropped_tokens",
     "split_hf_causal_lm",
     "unique_parameters",
