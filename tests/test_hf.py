@@ -357,3 +357,60 @@ def test_splits_that_cannot_apply_are_refused_naming_why() -> None:
     (enable or model.gradient_checkpointing_enable)()
     with pytest.raises(ValueError, match=r"HF gradient checkpointing is on \(layers \[0, 1, 2, 3"):
         split_hf_causal_lm(model, 2)
+
+
+@pytest.mark.parametrize("counts", [[0, 4], [3, 1], [4, 0]])
+def test_a_chosen_split_trains_as_the_unsplit_model(counts) -> None:
+    cfg = config(tied=True)
+    stages = split_hf_causal_lm(build(cfg), 2, layers_per_stage=counts)
+    assert [len(s.layers) for s in stages] == counts
+    assert [s.first_layer for s in stages] == [0, counts[0]]
+    assert unsplit_keys(stages[0]).get("layers.0") == ("model.layers.0" if counts[0] else None)
+    pipe = graphpipe.DualPipeV(
+        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
+    )
+    d = batch()
+    loss = pipe.step(
+        d["ids"],
+        d["labels"],
+        attention_mask=d["mask"],
+        num_items_in_batch=causal_lm_num_items(d["labels"]),
+    )
+    ref_loss, ref_grads = hf_reference(build(cfg), d)
+    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
+    grads = stage_grads(stages)
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=name)
+
+
+def test_a_chosen_split_of_four_stages_gives_the_models_logits() -> None:
+    model = build(config(attn="sdpa"))
+    stages = split_hf_causal_lm(model, 4, layers_per_stage=[0, 2, 2, 0])
+    assert [len(s.layers) for s in stages] == [0, 2, 2, 0]
+    assert [s.is_first for s in stages] == [True, False, False, False]
+    assert [s.is_last for s in stages] == [False, False, False, True]
+    assert unsplit_keys(stages[2])["layers.1"] == "model.layers.3"
+    d = batch()
+    with torch.no_grad():
+        h = d["ids"]
+        for s in stages:
+            h = s(h, attention_mask=d["mask"])
+        assert torch.equal(h, model(d["ids"], attention_mask=d["mask"], use_cache=False).logits)
+
+
+@pytest.mark.parametrize(
+    "counts,message",
+    [
+        ([2, 2], r"layers_per_stage=\[2, 2\] has 2 entries for num_stages=3"),
+        ([1, 1, 1], r"layers_per_stage=\[1, 1, 1\] sums to 3, but the model has 4 decoder"),
+        ([2, 3, -1], r"layers_per_stage=\[2, 3, -1\] has negative counts \(stages \[2\]\)"),
+        ([2, 0, 2], r"layers_per_stage=\[2, 0, 2\] leaves middle stages \[1\] without a decoder"),
+        ([2, 1.0, 1], r"layers_per_stage=\[2, 1.0, 1\] must be a list of ints"),
+        ((2, True, 1), r"layers_per_stage=\(2, True, 1\) must be a list of ints"),
+        (4, r"layers_per_stage=4 must be a list of ints"),
+    ],
+)
+def test_a_chosen_split_that_does_not_fit_is_refused_naming_it(counts, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_hf_causal_lm(build(config()), 3, layers_per_stage=counts)

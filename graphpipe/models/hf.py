@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from graphpipe.keymap import set_unsplit_keys
-from graphpipe.models.llama import layers_per_stage
+from graphpipe.models.llama import layers_per_stage as _even_split
 from graphpipe.roles import mark_tied
 
 __all__ = [
@@ -275,8 +275,39 @@ class HFCausalLMStage(nn.Module):
         return f"layers {self.first_layer}..{last - 1}" if self.layers else "no layers"
 
 
+def _check_counts(counts: Any, num_stages: int, n_layers: int) -> list[int]:
+    """``layers_per_stage`` as given: ``ValueError`` naming the value unless it is a list of
+    ``num_stages`` non-negative ints summing to ``n_layers``, every middle stage holding one
+    at least (the first and the last stage may hold only the embedding or the head)."""
+    what = f"split_hf_causal_lm: layers_per_stage={counts!r}"
+    if not isinstance(counts, (list, tuple)) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in counts
+    ):
+        raise ValueError(f"{what} must be a list of ints, one per stage")
+    if len(counts) != num_stages:
+        raise ValueError(f"{what} has {len(counts)} entries for num_stages={num_stages}")
+    negative = [i for i, c in enumerate(counts) if c < 0]
+    if negative:
+        raise ValueError(f"{what} has negative counts (stages {negative})")
+    if sum(counts) != n_layers:
+        raise ValueError(
+            f"{what} sums to {sum(counts)}, but the model has {n_layers} decoder layers"
+        )
+    empty = [i for i, c in enumerate(counts) if c == 0 and 0 < i < num_stages - 1]
+    if empty:
+        raise ValueError(
+            f"{what} leaves middle stages {empty} without a decoder layer (only the first and "
+            "the last stage may hold none besides the embedding or the head)"
+        )
+    return list(counts)
+
+
 def split_hf_causal_lm(
-    model: nn.Module, num_stages: int, *, checkpoint_layers: bool = False
+    model: nn.Module,
+    num_stages: int,
+    *,
+    layers_per_stage: list[int] | None = None,
+    checkpoint_layers: bool = False,
 ) -> list[HFCausalLMStage]:
     """Split a Hugging Face ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3) into ``num_stages``
     ``HFCausalLMStage`` modules by decoder layer; they share the model's parameters.
@@ -286,6 +317,11 @@ def split_hf_causal_lm(
     ``num_layers // num_stages``, and the remaining ones go one each to the middle stages
     first, then to stage 0, then to the last stage (the first and last stages also hold the
     embedding and the head; ``graphpipe.models.layers_per_stage``).
+
+    layers_per_stage: the number of decoder layers of each stage instead, a list of
+        ``num_stages`` ints summing to the number of decoder layers, in order (a planner's
+        split, or one chosen by hand); every middle stage holds one at least, the first and
+        the last stage may hold none (only the embedding, or only the final norm and head).
 
     Tied embeddings (``lm_head.weight`` is ``model.embed_tokens.weight``, as with
     ``tie_word_embeddings``) stay one Parameter in the stages, and that Parameter is marked
@@ -302,7 +338,9 @@ def split_hf_causal_lm(
     Raises ``ValueError`` naming what does not fit: a model without that layout (naming the
     missing modules), another ``config.model_type``, an attention implementation other than
     ``"eager"`` or ``"sdpa"``, attention kinds other than full and sliding-window,
-    ``num_stages`` not in ``1..num_layers``, or HF's gradient checkpointing switched on.
+    ``num_stages`` not in ``1..num_layers`` (without ``layers_per_stage``), a
+    ``layers_per_stage`` that does not fit (naming it), or HF's gradient checkpointing
+    switched on.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"split_hf_causal_lm takes an nn.Module, got {type(model).__name__}")
@@ -322,11 +360,15 @@ def split_hf_causal_lm(
     layers = list(inner.layers)[:n_layers]
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got num_stages={num_stages!r}")
-    if num_stages > len(layers):
+    if layers_per_stage is not None:
+        counts = _check_counts(layers_per_stage, num_stages, len(layers))
+    elif num_stages > len(layers):
         raise ValueError(
             f"split_hf_causal_lm: num_stages={num_stages} is more than the model's "
             f"{len(layers)} decoder layers (every stage gets at least one)"
         )
+    else:
+        counts = _even_split(len(layers), num_stages)
     on = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
     if on:
         raise ValueError(
@@ -340,7 +382,7 @@ def split_hf_causal_lm(
 
     stages: list[HFCausalLMStage] = []
     start = 0
-    for index, count in enumerate(layers_per_stage(len(layers), num_stages)):
+    for index, count in enumerate(counts):
         first, last = index == 0, index == num_stages - 1
         stage = HFCausalLMStage(
             config,
