@@ -44,17 +44,19 @@ LOSS_TOL = dict(rtol=2e-6, atol=1e-7)
 
 def config(kind: str = "llama", *, attn: str = "eager", tied: bool = True, **extra):
     """A tiny random config: 4 decoder layers, hidden 16, vocabulary 64."""
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        attn_implementation=attn,
-        **extra,
+    kw = (
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=tied,
+            attn_implementation=attn,
+        )
+        | extra
     )
     classes = {
         "llama": transformers.LlamaConfig,

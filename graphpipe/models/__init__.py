@@ -1,9 +1,11 @@
 """Models that split into pipeline stages for graphpipe.
 
 ``split_hf_causal_lm``, ``causal_lm_loss`` and ``causal_lm_num_items`` (``graphpipe.models.hf``)
-work on Hugging Face models without importing transformers themselves."""
+work on Hugging Face models without importing transformers themselves; ``export_hf_model``
+(``graphpipe.models.hf_export``) writes a checkpoint of their stages as an HF model directory."""
 
 from graphpipe.models.hf import causal_lm_loss, causal_lm_num_items, split_hf_causal_lm
+from graphpipe.models.hf_export import export_hf_model
 from graphpipe.models.llama import (
     LlamaBlock,
     LlamaConfig,
@@ -54,6 +56,7 @@ __all__ = [
     "expert_parallel_groups",
     "expert_parallel_size",
     "expert_parameters",
+    "export_hf_model",
     "is_expert_parameter",
     "layers_per_stage",
     "llama_loss",
