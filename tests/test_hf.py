@@ -341,13 +341,39 @@ def test_splits_that_cannot_apply_are_refused_naming_why() -> None:
     model = build(config())
     with pytest.raises(ValueError, match=r"num_stages=5 is more than the model's 4 decoder layers"):
         split_hf_causal_lm(model, 5)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    opt = transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2
+        )
+    )
     with pytest.raises(
         ValueError,
-        match=r"GPT2LMHeadModel does not have the layout of a LlamaForCausalLM: model: missing; "
-        r"model\.embed_tokens \(Embedding\): missing; .*\(its children: transformer, lm_head\)",
+        match=r"OPTForCausalLM does not have the layout of a LlamaForCausalLM: "
+        r"model\.embed_tokens \(Embedding\): missing; .*\(its children: model, lm_head\)",
     ):
-        split_hf_causal_lm(gpt2, 1)
+        split_hf_causal_lm(opt, 1)
+    moe = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=8,
+        output_router_logits=True,
+    )
+    with pytest.raises(ValueError, match=r"config\.output_router_logits=True: HF adds the router"):
+        split_hf_causal_lm(transformers.AutoModelForCausalLM.from_config(moe), 2)
+    gemma3 = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=8,
+        use_bidirectional_attention=True,
+    )
+    with pytest.raises(ValueError, match=r"config\.use_bidirectional_attention=True"):
+        split_hf_causal_lm(transformers.AutoModelForCausalLM.from_config(gemma3), 2)
     model.config.model_type = "gemma"  # the same module names, another forward
     with pytest.raises(ValueError, match=r"config\.model_type='gemma' \(LlamaForCausalLM\)"):
         split_hf_causal_lm(model, 2)

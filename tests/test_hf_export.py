@@ -1,8 +1,8 @@
 """A checkpoint of Hugging Face stages back to a model directory that ``from_pretrained``
 reads (``export_hf_model``, ``graphpipe export CKPT OUT_DIR --hf-config CONFIG``): a 2-rank
-DualPipeV job's checkpoint exported by the command line in the test process gives the
-pipeline's logits bit for bit; in one process the dtype, tied weights written once, and the
-errors, output and config checked before the checkpoint is read.
+DualPipeV job's checkpoint (Qwen2 and Gemma 3, tied embeddings) exported by the command line
+in the test process gives the pipeline's logits bit for bit; in one process the dtype, tied
+weights written once, and the errors, output and config checked before the checkpoint is read.
 """
 
 from __future__ import annotations
@@ -28,7 +28,21 @@ from graphpipe.models import (  # noqa: E402
     unique_parameters,
 )
 from tests.spawn import run_ranks  # noqa: E402
-from tests.test_hf import batch, build, config  # noqa: E402
+from tests.test_hf import batch, config  # noqa: E402
+from tests.test_hf_families import family_config  # noqa: E402
+
+# Right padding in every micro-batch of 2 rows (so that HF's sdpa gets a mask, as the stages
+# pass one, and runs the same kernel), at least 5 real tokens for Gemma 3's window of 4.
+LENGTHS = (8, 5, 7, 6, 8, 6, 5, 7)
+
+
+def build(cfg, seed: int = 0) -> torch.nn.Module:
+    """The model of ``cfg`` in float64 as ``from_pretrained(..., dtype=torch.float64)`` makes
+    it: ``.double()`` would also cast the rotary embedding's ``inv_freq`` buffers, which HF
+    computes in float32 (not saved: from_pretrained computes them again), and Gemma 3's
+    rotary embedding uses them as they are."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
 
 
 def _train_save_forward(rank: int, world: int, root: str, cfg) -> dict:
@@ -40,7 +54,7 @@ def _train_save_forward(rank: int, world: int, root: str, cfg) -> dict:
     opt = torch.optim.AdamW(unique_parameters(mine.values()), lr=1e-2)
     for step in range(2):
         opt.zero_grad()
-        d = batch(seed=10 + step)
+        d = batch(LENGTHS, seed=10 + step)
         pipe.step(
             d["ids"] if rank == 0 else None,
             d["labels"] if rank == 0 else None,
@@ -49,7 +63,7 @@ def _train_save_forward(rank: int, world: int, root: str, cfg) -> dict:
         )
         opt.step()
     save_checkpoint(root, 2, mine, opt)
-    d = batch(seed=20)
+    d = batch(LENGTHS, seed=20)
     logits = pipe.forward(d["ids"] if rank == 0 else None, attention_mask=d["mask"])
     pipe.close()
     return {"logits": logits, "batch": d}
@@ -70,17 +84,15 @@ def _check_from_pretrained(out: Path, result: dict, cfg) -> torch.nn.Module:
     return model
 
 
-TIED = [
-    ("qwen2", {}),
-]
-
-
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind,extra", TIED)
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3_text"])
 def test_a_two_rank_checkpoint_exports_to_a_model_directory_with_the_pipelines_logits(
-    tmp_path: Path, capsys, kind, extra
+    tmp_path: Path, capsys, kind
 ) -> None:
-    cfg = config(kind, attn="sdpa", tied=True, **extra)
+    # Both with tied embeddings; Gemma 3 with its sliding windows, rope base per attention
+    # kind, scaled embedding and soft-capped logits.
+    cfg = config(kind, attn="sdpa", tied=True) if kind == "qwen2" else family_config(kind)
+    assert cfg.tie_word_embeddings
     results = run_ranks(_train_save_forward, 2, str(tmp_path / "ckpt"), cfg)
     assert results[1]["logits"] is None
     cfg.save_pretrained(tmp_path / "cfg")  # the config the job started from
