@@ -6,7 +6,9 @@ Phi-3's fused projections; OLMo 2's norms after attention and MLP; Granite's fou
 multipliers; Qwen3-MoE's routed experts; GPT-2's learned positions, ``transformer.h`` and
 tied head), 2 gloo ranks, DualPipeV (4 stages), right padding with unequal valid tokens per
 micro-batch, ``loss_reduction="sum"`` with ``num_items_in_batch``, three SGD steps; against
-HF's own ``model(..., labels=...)`` loss on the whole batch and its SGD steps.
+HF's own ``model(..., labels=...)`` loss on the whole batch and its SGD steps. Also GPT-2
+under 1F1B (its tied head on the other rank), Gemma 3's captured (static, replayed) step and
+Granite under ZB-V.
 """
 
 from __future__ import annotations
@@ -124,12 +126,18 @@ def batch(step: int) -> dict[str, torch.Tensor]:
     return {"ids": ids, "mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _train(rank: int, world: int, kind: str) -> dict:
-    n = 2 * world
+def _train(rank: int, world: int, kind: str, schedule: str = "dualpipev", capture=False) -> dict:
+    v = schedule in ("dualpipev", "zbv")  # two stages per rank, in a V
+    n = 2 * world if v else world
     stages = split_hf_causal_lm(build(kind), n)
-    mine = (stages[rank], stages[n - 1 - rank])
-    pipe = graphpipe.DualPipeV(
-        mine, num_microbatches=4, loss_fn=causal_lm_loss, loss_reduction="sum"
+    mine = (stages[rank], stages[n - 1 - rank]) if v else (stages[rank],)
+    pipe = graphpipe.Pipeline(
+        mine,
+        schedule=schedule,
+        num_microbatches=4,
+        loss_fn=causal_lm_loss,
+        loss_reduction="sum",
+        capture=capture,
     )
     opt = torch.optim.SGD(unique_parameters(mine), lr=LR)
     losses = []
@@ -175,7 +183,23 @@ FAMILIES = ["gemma2", "gemma3_text", "phi3", "olmo2", "granite", "qwen3_moe", "g
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_a_family_trains_on_two_ranks_as_the_unsplit_model(kind: str) -> None:
-    results = run_ranks(_train, 2, kind)
+    check_against_reference(kind, run_ranks(_train, 2, kind))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "kind,schedule,capture",
+    [
+        ("gpt2", "1f1b", False),  # the tied wte / lm_head on two ranks, kept equal
+        ("gemma3_text", "dualpipev", True),  # the static step replayed (CPU capture)
+        ("granite", "zbv", False),
+    ],
+)
+def test_other_schedules_and_the_captured_step(kind: str, schedule: str, capture: bool) -> None:
+    check_against_reference(kind, run_ranks(_train, 2, kind, schedule, capture))
+
+
+def check_against_reference(kind: str, results: list[dict]) -> None:
     losses, weights = reference(kind)
     for rank, res in enumerate(results):
         # The loss is HF's float32 cross-entropy summed per micro-batch, then over them:
