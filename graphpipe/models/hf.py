@@ -13,9 +13,16 @@ rotary embedding per attention kind (Gemma 3's rope bases, when the rotary modul
 else every layer when ``config.sliding_window`` is set), GPT-2's learned positions; what
 differs inside a decoder layer (pre/post feed-forward norms, query/key norms, attention
 soft-capping, Granite's residual and attention multipliers, routed experts) is the layer's
-own. ``config.model_type`` must be one of ``SUPPORTED_MODEL_TYPES``, each tested against
-the unsplit model: another family's top model may do something else (Gemma 1 scales its
-embedding in the top model's forward) that the stages would not, so it is refused.
+own. The families of ``SUPPORTED_MODEL_TYPES`` are tested against the unsplit model. Another
+``config.model_type`` in one of the two layouts is checked when it is split: the model runs
+once on a probe (two rows of 8 tokens, or past a small sliding window; no gradients, eval
+mode) with hooks on its decoder layers and final norm, and everything its top model hands
+the layers (the embedding's output, each layer's mask, rotary embedding, position ids and any
+other argument, the hidden states between layers) and makes of the last layer's output (the
+logits) must equal, value for value, what the stages compute from the same modules; the
+first that differs is named in the ``ValueError`` (Cohere's ``logit_scale``, a top model that
+scales its embedding). What the probe cannot see (a difference that only shows at other
+lengths or values) is not checked: the tested families are the ones vouched for.
 
 * stage 0 takes int64 ``input_ids`` ``[B, T]`` and returns hidden states ``[B, T, H]``;
 * middle stages map hidden states to hidden states;
@@ -325,34 +332,50 @@ class HFCausalLMStage(nn.Module):
         positions = position_ids
         if positions is None:
             positions = torch.arange(seq, device=x.device).unsqueeze(0)
-        hidden = x
-        if self.embed_tokens is not None:
-            hidden = self.embed_tokens(x)
-            if self._embedding_multiplier is not None:
-                hidden = hidden * self._embedding_multiplier
-            if self.embed_positions is not None:
-                hidden = hidden + self.embed_positions(positions).to(hidden.device)
-            if self.embed_dropout is not None:
-                hidden = self.embed_dropout(hidden)
+        hidden = self._embed(x, positions) if self.embed_tokens is not None else x
         if len(self.layers):
-            hidden = self._decoder_layers(hidden, attention_mask, position_ids, positions)
-        if self.norm is not None and self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
-            if self._logits_scaling is not None:
-                hidden = hidden / self._logits_scaling
-            if self._softcap is not None:
-                hidden = hidden / self._softcap
-                hidden = torch.tanh(hidden)
-                hidden = hidden * self._softcap
+            kw = self._layer_kwargs(hidden, attention_mask, position_ids, positions)
+            recompute = self.checkpoint_layers and torch.is_grad_enabled()
+            for layer, kind in zip(self.layers, self.layer_types):
+                if recompute:
+                    out = checkpoint(layer, hidden, use_reentrant=False, **kw[kind])
+                else:
+                    out = layer(hidden, **kw[kind])
+                hidden = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            hidden = self._head(hidden)
         return hidden
 
-    def _decoder_layers(
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first decoder layer's input, as the top model computes it."""
+        hidden = self.embed_tokens(ids)
+        if self._embedding_multiplier is not None:
+            hidden = hidden * self._embedding_multiplier
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions).to(hidden.device)
+        if self.embed_dropout is not None:
+            hidden = self.embed_dropout(hidden)
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the last decoder layer's output, as the top model computes them."""
+        logits = self.lm_head(self.norm(hidden))
+        if self._logits_scaling is not None:
+            logits = logits / self._logits_scaling
+        if self._softcap is not None:
+            logits = logits / self._softcap
+            logits = torch.tanh(logits)
+            logits = logits * self._softcap
+        return logits
+
+    def _layer_kwargs(
         self,
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         positions: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> dict[str, dict[str, Any]]:
+        """The keyword arguments of a decoder layer of each attention kind of this stage."""
         kinds = list(dict.fromkeys(self.layer_types))
         rope: dict[str, Any] = {}
         if self.rotary_emb is not None and self._rope_per_kind:
@@ -361,17 +384,13 @@ class HFCausalLMStage(nn.Module):
             cos_sin = self.rotary_emb(hidden, positions)
             rope = dict.fromkeys(kinds, cos_sin)
         masks = self._masks(hidden, attention_mask, position_ids)
-        recompute = self.checkpoint_layers and torch.is_grad_enabled()
-        for layer, kind in zip(self.layers, self.layer_types):
+        out = {}
+        for kind in kinds:
             kw: dict[str, Any] = dict(attention_mask=masks[kind], position_ids=positions)
             if self.rotary_emb is not None:
                 kw["position_embeddings"] = rope[kind]
-            if recompute:
-                out = checkpoint(layer, hidden, use_reentrant=False, **kw)
-            else:
-                out = layer(hidden, **kw)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+            out[kind] = kw
+        return out
 
     def _masks(
         self,
@@ -404,6 +423,128 @@ class HFCausalLMStage(nn.Module):
     def extra_repr(self) -> str:
         last = self.first_layer + len(self.layers)
         return f"layers {self.first_layer}..{last - 1}" if self.layers else "no layers"
+
+
+_IGNORED_LAYER_KWARGS = frozenset(
+    {"cache", "past_key_values", "past_key_value", "use_cache", "cache_position"}
+)
+"""Keyword arguments a top model may pass its decoder layers that a step without a KV cache
+does not use (None or False there)."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values (NaN where the other is NaN), tensor by tensor through tuples."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():
+            return bool(((a == b) | (a.isnan() & b.isnan())).all())
+        return torch.equal(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a == b
+
+
+def _probe_length(config: Any) -> int:
+    """The probe's sequence length: 8, or past the smallest sliding window up to 64, within
+    the model's positions."""
+    length = 8
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and 0 < window < 63:
+        length = max(length, window + 2)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    return min(length, limit) if isinstance(limit, int) and limit > 1 else length
+
+
+def _check_untested(model: nn.Module, probe: HFCausalLMStage, model_type: Any) -> None:
+    """For a ``model_type`` outside ``SUPPORTED_MODEL_TYPES``: run the model once (no
+    gradients, eval mode, two rows of ``_probe_length`` tokens, the second right-padded)
+    and check that what its top model hands each decoder layer and makes of the last one's
+    output is what the stages compute, value for value: the embedding's output, each layer's
+    mask, rotary embedding, position ids and other arguments, the hidden states between the
+    layers and the logits. ``ValueError`` naming the first that differs."""
+    name = f"{type(model).__name__} (config.model_type={model_type!r})"
+    weight = probe.embed_tokens.weight
+    if weight.device.type == "meta":
+        raise ValueError(
+            f"split_hf_causal_lm: {name} is not one of the tested families "
+            f"{SUPPORTED_MODEL_TYPES}, whose forward is checked against the stages' on a "
+            "probe, which needs the weights: load them before splitting (not on the meta device)"
+        )
+    seq = _probe_length(model.config)
+    vocab = int(getattr(model.config, "vocab_size", weight.shape[0]))
+    ids = (torch.arange(2 * seq, device=weight.device).reshape(2, seq) * 7 + 1) % vocab
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0  # padding: HF's sdpa gets a mask too, as the stages give one
+    seen: list[tuple[tuple, dict]] = []
+    outs: list[Any] = []
+    norm_in: list[torch.Tensor] = []
+    hooks = []
+    for layer in probe.layers:
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda _m, a, k: seen.append((a, dict(k))), with_kwargs=True
+            )
+        )
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out: outs.append(out)))
+    hooks.append(probe.norm.register_forward_pre_hook(lambda _m, a: norm_in.append(a[0])))
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                logits = model(ids, attention_mask=mask, use_cache=False).logits
+            except Exception as e:  # the model's own forward: anything
+                raise ValueError(
+                    f"split_hf_causal_lm: {name} is not one of the tested families, and its "
+                    f"own forward on a probe of {seq} tokens (to check it against the "
+                    f"stages') raised {type(e).__name__}: {e}"
+                ) from e
+            positions = torch.arange(seq, device=ids.device).unsqueeze(0)
+            first = probe._embed(ids, positions)
+            ours = probe._layer_kwargs(first, mask, None, positions)
+            last = outs[-1][0] if isinstance(outs[-1], tuple) else outs[-1]
+            head = probe._head(last)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.train(mode)
+
+    def refuse(what: str) -> None:
+        raise ValueError(
+            f"split_hf_causal_lm: {name} is not one of the tested families "
+            f"{SUPPORTED_MODEL_TYPES}, and its forward differs from the stages' on a probe of "
+            f"{seq} tokens: {what}"
+        )
+
+    if len(seen) != len(probe.layers):
+        refuse(f"it ran {len(seen)} decoder layer calls for {len(probe.layers)} layers")
+    previous = first
+    for i, ((args, kwargs), out) in enumerate(zip(seen, outs)):
+        hidden = args[0] if args else kwargs.pop("hidden_states", None)
+        if not _same(hidden, previous):
+            what = "the embedding's output" if i == 0 else f"decoder layer {i - 1}'s output"
+            refuse(f"decoder layer {i}'s input is not {what} (the model changes it between)")
+        if any(a is not None for a in args[1:]):
+            refuse(f"it passes decoder layer {i} positional arguments besides the hidden states")
+        expected = ours[probe.layer_types[i]]
+        for key, value in kwargs.items():
+            if key in expected:
+                if not _same(value, expected[key]):
+                    refuse(f"decoder layer {i} gets another {key}")
+            elif key not in _IGNORED_LAYER_KWARGS and value is not None and value is not False:
+                refuse(f"it passes decoder layer {i} {key}, which the stages do not")
+        missing = [k for k in expected if k not in kwargs and expected[k] is not None]
+        if missing:
+            refuse(f"it does not pass decoder layer {i} {', '.join(missing)}")
+        previous = out[0] if isinstance(out, tuple) else out
+    if not norm_in or not _same(norm_in[-1], previous):
+        refuse("the final norm's input is not the last decoder layer's output")
+    if not _same(head, logits):
+        refuse("the logits are not the head's output as the stages compute it")
 
 
 def _check_counts(counts: Any, num_stages: int, n_layers: int) -> list[int]:
@@ -470,8 +611,12 @@ def split_hf_causal_lm(
         ``torch.utils.checkpoint``; works with the pipeline's split backward). Leave HF's
         own ``gradient_checkpointing_enable()`` off: it is refused here.
 
+    A ``config.model_type`` outside ``SUPPORTED_MODEL_TYPES`` is checked on a probe first
+    (the module docstring says how; it needs the weights, not the meta device).
+
     Raises ``ValueError`` naming what does not fit: a model without that layout (naming the
-    missing modules), another ``config.model_type``, a config asking for what the stages do
+    missing modules), another ``config.model_type`` whose forward differs from the stages'
+    on the probe (naming where), a config asking for what the stages do
     not compute (``output_router_logits=True``: the router's auxiliary loss;
     ``use_bidirectional_attention=True``), an attention implementation other than
     ``"eager"`` or ``"sdpa"``, attention kinds other than full and sliding-window,
@@ -484,11 +629,6 @@ def split_hf_causal_lm(
     layout = _find_layout(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"split_hf_causal_lm: config.model_type={model_type!r} ({type(model).__name__}) "
-            f"is not one whose decoder stack the stages reproduce: {SUPPORTED_MODEL_TYPES}"
-        )
     _check_config(config)
     _check_attention(config)
     inner = getattr(model, layout.base)
@@ -515,11 +655,26 @@ def split_hf_causal_lm(
     types = _layer_types(config, len(layers))
     embed, head = getattr(inner, layout.embed), model.lm_head
     base = layout.base
-    if head.weight is embed.weight:
-        mark_tied(embed.weight, f"hf.lm_head.weight={base}.{layout.embed}.weight")
 
     def part(name: str | None) -> nn.Module | None:
         return None if name is None else getattr(inner, name)
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        whole = HFCausalLMStage(
+            config,
+            layers,
+            first_layer=0,
+            layer_types=types,
+            rotary_emb=part(layout.rotary),
+            embed_tokens=embed,
+            embed_positions=part(layout.positions),
+            embed_dropout=part(layout.dropout),
+            norm=part(layout.norm),
+            lm_head=head,
+        )
+        _check_untested(model, whole, model_type)
+    if head.weight is embed.weight:
+        mark_tied(embed.weight, f"hf.lm_head.weight={base}.{layout.embed}.weight")
 
     stages: list[HFCausalLMStage] = []
     start = 0
@@ -545,6 +700,8 @@ def split_hf_causal_lm(
                 keys["embed_positions"] = f"{base}.{layout.positions}"
         if last:
             keys |= {"norm": f"{base}.{layout.norm}", "lm_head": "lm_head"}
+        held = stage.state_dict()  # a module without tensors (OLMo's norm) has no keys
+        keys = {k: v for k, v in keys.items() if any(n.startswith(f"{k}.") for n in held)}
         set_unsplit_keys(stage, keys)
         stages.append(stage)
         start += count
