@@ -174,3 +174,19 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_refused_naming_it(tmp_path
     export_hf_model(mixed, tmp_path / "mixed", model.config, dtype=torch.float64)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mixed")
     assert back.model.norm.weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "kind", ["gemma2", "gemma3_text", "phi3", "olmo2", "granite", "qwen3_moe", "gpt2"]
+)
+def test_every_family_exports_to_from_pretrained_with_its_weights(tmp_path: Path, kind) -> None:
+    cfg = family_config(kind)
+    model = build(cfg)
+    stages = split_hf_causal_lm(model, 3)
+    path = save_checkpoint(tmp_path / "ckpt", 1, dict(enumerate(stages)))
+    out = export_hf_model(path, tmp_path / kind, cfg)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(back) is type(model) and back.dtype == torch.float64
+    assert list(back.state_dict()) == list(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
