@@ -2,7 +2,8 @@
 reads (``export_hf_model``, ``graphpipe export CKPT OUT_DIR --hf-config CONFIG``): a 2-rank
 DualPipeV job's checkpoint (Qwen2 and Gemma 3, tied embeddings) exported by the command line
 in the test process gives the pipeline's logits bit for bit; in one process the dtype, tied
-weights written once, and the errors, output and config checked before the checkpoint is read.
+weights written once, every tested family's weights back through ``from_pretrained``, and the
+errors, output and config checked before the checkpoint is read.
 """
 
 from __future__ import annotations
