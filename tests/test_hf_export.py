@@ -100,7 +100,9 @@ def test_a_two_rank_checkpoint_exports_to_a_model_directory_with_the_pipelines_l
     out = tmp_path / "trained"
     argv = ["export", str(tmp_path / "ckpt"), str(out), "--hf-config", str(tmp_path / "cfg")]
     assert main(argv) == 0
-    assert capsys.readouterr().err.splitlines()[-1].startswith(f"graphpipe export: wrote {out}")
+    err = capsys.readouterr().err
+    assert err.startswith(f"graphpipe export: wrote {out} ("), err  # one line, no progress bars
+    assert err.count("\n") == 1 and err.endswith(f"from {tmp_path / 'ckpt' / 'step-00000002'}\n")
     model = _check_from_pretrained(out, results[0], cfg)
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied
     from safetensors import safe_open

@@ -229,6 +229,9 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"{_PROG}: error: {path}: no checkpoint {what}", file=sys.stderr)
             return 1
         path = found
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the command's output is its one line
     try:
         out = export_hf_model(path, args.out, config, dtype=args.dtype)
     except (OSError, ValueError) as e:
