@@ -6,6 +6,7 @@ work on Hugging Face models without importing transformers themselves; ``export_
 
 from graphpipe.models.hf import causal_lm_loss, causal_lm_num_items, split_hf_causal_lm
 from graphpipe.models.hf_export import export_hf_model
+from graphpipe.models.hf_moe import HFExpertShard, shard_hf_experts
 from graphpipe.models.llama import (
     LlamaBlock,
     LlamaConfig,
@@ -38,6 +39,7 @@ from graphpipe.models.overlap import MoEEvent
 __all__ = [
     "EXPERT_ATTR",
     "ExpertGroups",
+    "HFExpertShard",
     "LlamaBlock",
     "LlamaConfig",
     "LlamaLoss",
@@ -62,6 +64,7 @@ __all__ = [
     "llama_loss",
     "num_parameters",
     "reset_dropped_tokens",
+    "shard_hf_experts",
     "split_hf_causal_lm",
     "unique_parameters",
 ]
