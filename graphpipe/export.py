@@ -11,6 +11,10 @@ named, with why). ``OUT.pt`` gets ``graphpipe.checkpoint.export_state_dict`` of 
 must exist and be writable, an existing file is overwritten, a directory is refused).
 Argument errors (``OUT.pt`` that cannot be written, no ``DIR``) exit with status 2 before any
 work; a checkpoint that does not verify or export exits with status 1; one line each.
+
+With ``--hf-config CONFIG`` (``OUT`` then a new directory) it writes a Hugging Face model
+directory instead, for ``from_pretrained``: ``graphpipe.models.hf_export``.
+
 Only the parser is built on import: the command imports torch when it runs.
 """
 
@@ -47,7 +51,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="a checkpoint (DIR/step-NNNNNNNN), or a checkpoint directory: its newest "
         "checkpoint that verifies",
     )
-    p.add_argument("out", metavar="OUT.pt", help="the file to write")
+    p.add_argument(
+        "out", metavar="OUT.pt", help="the file to write (with --hf-config: the model directory)"
+    )
+    p.add_argument(
+        "--hf-config",
+        metavar="CONFIG",
+        default=None,
+        help="write a Hugging Face model directory instead (config.json and safetensors, "
+        "for from_pretrained) of the model of CONFIG, a directory holding config.json or "
+        "the file; OUT must not exist",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float64", "bfloat16", "float16"),
+        default=None,
+        help="with --hf-config: write the weights in this dtype (default: the checkpoint's)",
+    )
     p.set_defaults(func=run, parser=p)
     return p
 
@@ -69,6 +89,12 @@ def _fail(message: str, status: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``graphpipe export``: check the arguments, find the checkpoint, export, write."""
+    if args.hf_config is not None:
+        from .models.hf_export import run_cli
+
+        return run_cli(args)
+    if args.dtype is not None:
+        return _fail("--dtype needs --hf-config", 2)
     problem = _check(args)
     if problem is not None:
         return _fail(problem, 2)
