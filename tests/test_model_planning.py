@@ -147,12 +147,8 @@ def test_the_threads_setting_is_restored_after_measuring() -> None:
 
 
 def test_the_plan_is_what_split_hf_causal_lm_takes() -> None:
-    import inspect
-
     from graphpipe.models import split_hf_causal_lm
 
-    if "layers_per_stage" not in inspect.signature(split_hf_causal_lm).parameters:
-        pytest.skip("this hf.py's split_hf_causal_lm takes no layers_per_stage= yet")
     model = _hf_model()
     plan = plan_hf_split(model, 4, input_ids=_ids(), num_microbatches=4, reps=1)
     stages = split_hf_causal_lm(model, 4, layers_per_stage=list(plan.layers_per_stage))

@@ -370,32 +370,11 @@ def _shared_bytes(a: nn.Module, b: nn.Module) -> int:
 def _one_layer_stages(model: nn.Module) -> list[nn.Module]:
     """``model`` as ``split_hf_causal_lm`` splits it into ``L + 2`` stages: the embedding
     alone, one decoder layer each, the final norm and head alone (the model's modules)."""
-    import inspect
-
-    from graphpipe.models.hf import HFCausalLMStage, split_hf_causal_lm
+    from graphpipe.models.hf import split_hf_causal_lm
 
     (whole,) = split_hf_causal_lm(model, 1)
     n = len(whole.layers)
-    if "layers_per_stage" in inspect.signature(split_hf_causal_lm).parameters:
-        return split_hf_causal_lm(model, n + 2, layers_per_stage=[0] + [1] * n + [0])
-    # An hf.py whose split takes no layers_per_stage= yet (it takes the Llama layout only):
-    # the same stages, built as its split builds them.
-    types = list(whole.layer_types)
-
-    def stage(layers: list[nn.Module], first: int, edge: str | None = None) -> nn.Module:
-        return HFCausalLMStage(
-            whole.config,
-            layers,
-            first_layer=first,
-            layer_types=types[first : first + len(layers)],
-            rotary_emb=whole.rotary_emb,
-            embed_tokens=whole.embed_tokens if edge == "first" else None,
-            norm=whole.norm if edge == "last" else None,
-            lm_head=whole.lm_head if edge == "last" else None,
-        )
-
-    middle = [stage([layer], i) for i, layer in enumerate(whole.layers)]
-    return [stage([], 0, "first"), *middle, stage([], n, "last")]
+    return split_hf_causal_lm(model, n + 2, layers_per_stage=[0] + [1] * n + [0])
 
 
 def plan_llama_split(
