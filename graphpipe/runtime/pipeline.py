@@ -45,14 +45,14 @@ from .checks import (
     resolve_receives,
     seconds,
 )
-from .clipping import GradClipper
+from .clipping import GradClipper, check_clip_args
 from .comm import CommEngine
 from .config import pipeline_config
 from .context import RankContext
-from .data_parallel import DataParallel, check_stage_wrappers
+from .data_parallel import DataParallel, check_stage_wrappers, refuse_setup
 from .faults import CommFailure, FaultNotices, Faults
-from .fsdp import ShardedStages
-from .groups import PipelineGroups
+from .fsdp import ShardedStages, check_fsdp
+from .groups import PipelineGroups, refuse_to_join
 from .lifetime import keep_through_exit
 from .loss import LossReducer
 from .program import compile_program
@@ -167,6 +167,66 @@ class Pipeline:
         expert_groups: Any = None,
         loss_reduction: str = "mean",
     ) -> None:
+        self._join_taken = self._dp_join_taken = False
+        try:
+            self._construct(
+                stages,
+                schedule,
+                num_microbatches,
+                loss_fn,
+                group,
+                use_nvtx,
+                per_edge_groups,
+                capture,
+                recapture,
+                capture_optimizer,
+                costs,
+                receives,
+                timeout,
+                dp_group,
+                defer_weight_grads,
+                clip_grad_norm,
+                clip_norm_type,
+                expert_groups,
+                loss_reduction,
+            )
+        except Exception as e:  # the peers waiting in a join are told at once, by name
+            self._refuse_peers(e, group, dp_group)
+            raise
+
+    def _refuse_peers(self, exc: BaseException, group: Any, dp_group: Any) -> None:
+        """This rank failed to construct: the joins it has not taken yet (the pipeline's,
+        the data-parallel setup's) say so, naming ``exc``, so that no peer waits in one for
+        the timeout or goes on to a collective this rank never enters."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if not self._join_taken:
+            refuse_to_join(group if group is not None else dist.group.WORLD, exc)
+        if dp_group is not None and not self._dp_join_taken:
+            refuse_setup(dp_group, exc)
+
+    def _construct(
+        self,
+        stages: Any,
+        schedule: Any,
+        num_microbatches: Any,
+        loss_fn: Any,
+        group: Any,
+        use_nvtx: Any,
+        per_edge_groups: Any,
+        capture: Any,
+        recapture: Any,
+        capture_optimizer: Any,
+        costs: Any,
+        receives: Any,
+        timeout: Any,
+        dp_group: Any,
+        defer_weight_grads: Any,
+        clip_grad_norm: Any,
+        clip_norm_type: Any,
+        expert_groups: Any,
+        loss_reduction: Any,
+    ) -> None:
         check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
         self.loss_reduction = loss_reduction
         distributed = dist.is_available() and dist.is_initialized()
@@ -267,6 +327,14 @@ class Pipeline:
                 clip_norm_type=clip_norm_type,
                 costs=costs,
             )
+        # Every check that needs no peer runs before the join: a rank that refuses tells the
+        # others there (``_refuse_peers``), and none of them enters a collective without it.
+        check_expert_groups(self.modules, expert_groups)
+        check_fsdp(self.modules, CAPTURE_MODES[capture], dp_group)
+        check_capture_optimizer(capture_optimizer, capture, self.device)
+        if clip_grad_norm is not None:
+            check_clip_args(clip_grad_norm, clip_norm_type)
+        self._join_taken = True  # PipelineGroups takes the pipeline's key and joins
         self.groups = groups = PipelineGroups(
             self.group if distributed else None,
             edges,
@@ -293,7 +361,7 @@ class Pipeline:
         self.fsdp = ShardedStages(
             ctx, self.program, self._infer, loss_reduction, self.capture, grad_sync
         )
-        self.fsdp.check_dp(dp_group)
+        self._dp_join_taken = True  # DataParallel joins its group's setup first
         self.data_parallel = (
             DataParallel(
                 ctx,
@@ -323,7 +391,6 @@ class Pipeline:
         self.loss = LossReducer(ctx, runner, faults, loss_reduction)
         if self.data_parallel is not None:
             self.loss.average = self.data_parallel.average_loss
-        check_capture_optimizer(capture_optimizer, capture, self.device)
         self.optimizer = capture_optimizer
         self._loop = StepLoop(
             ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
