@@ -19,7 +19,8 @@ from graphpipe.lower import (
     transfers,
 )
 from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs, ScheduleError, dataflow, simulate
+from graphpipe.simulate import Costs, dataflow, simulate
+from graphpipe.validate import ScheduleError
 
 SENDS = (Op.SEND_F, Op.SEND_B)
 

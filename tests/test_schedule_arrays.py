@@ -17,16 +17,9 @@ import graphpipe.timing as timing
 from graphpipe.ir import Action, Op
 from graphpipe.lower import Step, lower, lower_cells
 from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import (
-    Costs,
-    ScheduleError,
-    dataflow,
-    figures,
-    simulate,
-    validate,
-    validate_cells,
-)
+from graphpipe.simulate import Costs, dataflow, figures, simulate
 from graphpipe.timing import cell_times, dataflow_times
+from graphpipe.validate import ScheduleError, validate, validate_cells
 from tests import schedule_oracle as oracle
 
 COSTS = [

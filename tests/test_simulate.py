@@ -10,15 +10,8 @@ import pytest
 from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import Step, lower, peer
 from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import (
-    Costs,
-    ScheduleError,
-    dataflow,
-    format_grid,
-    resolve_schedule,
-    simulate,
-    validate,
-)
+from graphpipe.simulate import Costs, dataflow, simulate
+from graphpipe.validate import ScheduleError, format_grid, resolve_schedule, validate
 
 
 def _run(name: str, n: int, m: int, costs: Costs | None = None):
