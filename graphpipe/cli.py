@@ -150,7 +150,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     from graphpipe.lower import lower
     from graphpipe.packed import decode_schedule
     from graphpipe.schedules import SCHEDULES
-    from graphpipe.simulate import ScheduleError, figures, simulate
+    from graphpipe.simulate import figures, simulate
+    from graphpipe.validate import ScheduleError
 
     kind: ScheduleKind = SCHEDULES[args.schedule]
     costs: Costs = args.costs
@@ -244,7 +245,7 @@ def _print_grid(cells: Cells, stats: dict[str, Any], full: bool) -> None:
     )
     import numpy as np
 
-    from graphpipe.simulate import format_grid
+    from graphpipe.validate import format_grid
 
     steps = int(np.diff(cells.offsets).max(initial=0))
     if len(cells) <= _FULL_LIMIT or full:

@@ -68,7 +68,7 @@ class Costs:
 
         from graphpipe import packed
 
-        first_op, second_op = cells.first & 7, cells.second & 7
+        first_op, second_op = packed.op_of(cells.first), packed.op_of(cells.second)
         table = np.asarray([self.F, self.B, self.I, self.W], dtype=np.float64)
         plain = table[np.minimum(first_op, 3)]
         pair = np.where(second_op == packed.B, self.overlap, self.F + self.I)

@@ -167,6 +167,8 @@ def lower(
     compute k). Otherwise ``receives="timed"`` (the default) applies ``post_receives_early``,
     timed with ``durations`` (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and
     ``latency`` per message, and ``receives="start"`` posts every receive at the start.
+
+    One encoding of the rule: this encodes the schedule, runs ``lower_cells`` and decodes.
     """
     if receives not in RECEIVES:
         raise ValueError(f"receives must be one of {RECEIVES}, got {receives!r}")
@@ -226,26 +228,25 @@ def comm_codes(codes: np.ndarray, placement: Placement, mb: int) -> tuple[np.nda
     before, after = np.zeros(stages + 1, dtype=bool), np.zeros(stages + 1, dtype=bool)
     before[1:stages] = owner[:-1] != owner[1:]
     after[: stages - 1] = owner[1:] != owner[:-1]
-    op, key = codes & 7, codes >> 3
+    op, key = packed.op_of(codes), packed.key_of(codes)
     stage = np.minimum(key // mb, stages)
     forward = (codes >= 0) & (op == packed.F)
     backward = (codes >= 0) & ((op == packed.B) | (op == packed.I))
-    base = key * 8
     recv = np.where(
         forward & before[stage],
-        base + packed.RECV_F,
-        np.where(backward & after[stage], base + packed.RECV_B, -1),
+        packed.code_from(key, packed.RECV_F),
+        np.where(backward & after[stage], packed.code_from(key, packed.RECV_B), -1),
     )
     send = np.where(
         forward & after[stage],
-        base + packed.SEND_F,
-        np.where(backward & before[stage], base + packed.SEND_B, -1),
+        packed.code_from(key, packed.SEND_F),
+        np.where(backward & before[stage], packed.code_from(key, packed.SEND_B), -1),
     )
     return recv, send
 
 
 def _check_compute_only(cells: Cells) -> None:
-    bad = np.flatnonzero((cells.first < 0) | ((cells.first & 7) > packed.W))
+    bad = np.flatnonzero((cells.first < 0) | (packed.op_of(cells.first) > packed.W))
     if len(bad):
         i = int(bad[0])
         rank = cells.ranks[int(np.searchsorted(cells.offsets, i, side="right")) - 1]
@@ -412,6 +413,7 @@ def post_receives_early(
 
     Sends never move; receives only move earlier. Pure: returns new Steps. A receive whose
     data cannot be timed (a dependency cycle) stays where it is, for ``simulate`` to report.
+    One encoding of the rule: this encodes, runs ``post_receives_early_cells`` and decodes.
     """
     programs, computes = packed.encode_lowered(lowered)
     times = None
@@ -432,17 +434,16 @@ def post_receives_early_cells(
     ranks is where its matching send is posted, looked up in one table of all sends.
     """
     steps, mb, codes = programs.steps, programs.steps.mb_bound, programs.comms
-    op = codes & 7
-    is_send = (op == packed.SEND_F) | (op == packed.SEND_B)
+    is_send = packed.is_send(codes)
     # every send's slot (key, direction) -> the last comm that posts it; every receive's slot
     slots = (max(steps.stage_bound(), placement.num_stages) + 2) * mb * 2
     sends = np.flatnonzero(is_send)
-    sent = packed.last_at(slots, (codes[sends] >> 3) * 2 + (op[sends] == packed.SEND_B), sends)
+    sent = packed.last_at(slots, packed.comm_slot(codes[sends]), sends)
     received = np.zeros(slots, dtype=bool)
     recvs = np.flatnonzero(~is_send)
-    received[(codes[recvs] >> 3) * 2 + (op[recvs] == packed.RECV_B)] = True
+    received[packed.comm_slot(codes[recvs])] = True
     distinct = int(np.count_nonzero(received))  # receives that are not the same action
-    del sends, recvs, received, op, is_send
+    del sends, recvs, received, is_send
     first_step = steps.offsets[:-1]
     widest = int(np.diff(programs.comm_offsets).max(initial=0))  # places in a batch: < widest
     # where each send is posted: (its step k on its rank, its place i in the batch) as one
@@ -453,8 +454,8 @@ def post_receives_early_cells(
         g0, g1 = int(steps.offsets[lo]), int(steps.offsets[hi])
         c0, c1 = int(programs.comm_offsets[g0]), int(programs.comm_offsets[g1])
         chunk, step = codes[c0:c1], programs.comm_step(g0, g1)
-        mine = np.flatnonzero(((chunk & 7) == packed.SEND_F) | ((chunk & 7) == packed.SEND_B))
-        slot = (chunk[mine] >> 3) * 2 + ((chunk[mine] & 7) == packed.SEND_B)
+        mine = np.flatnonzero(packed.is_send(chunk))
+        slot = packed.comm_slot(chunk[mine])
         last = sent[slot] == c0 + mine
         at_step = step[mine[last]]
         rank = np.searchsorted(steps.offsets, at_step, side="right") - 1
@@ -468,9 +469,8 @@ def post_receives_early_cells(
         step = programs.comm_step(g0, g1)
         rank = np.searchsorted(steps.offsets, step, side="right") - 1  # rank index of a comm
         local = step - first_step[rank]  # k on its rank
-        is_recv = ((chunk & 7) == packed.RECV_F) | ((chunk & 7) == packed.RECV_B)
-        recv = np.flatnonzero(is_recv)
-        r_key, forward = chunk[recv] >> 3, (chunk[recv] & 7) == packed.RECV_F
+        recv = np.flatnonzero(packed.is_recv(chunk))
+        r_key, forward = packed.key_of(chunk[recv]), packed.op_of(chunk[recv]) == packed.RECV_F
         # the matching send: where it is posted (sender's k, i); none: (distinct, 0)
         sent_key = sent_at[np.where(forward, (r_key - mb) * 2, (r_key + mb) * 2 + 1)]
         sent_key = np.where(sent_key >= 0, sent_key, distinct * widest)

@@ -7,7 +7,9 @@ their ``Action`` functions encode their input and decode their output: the runti
 see only ``Action`` objects. Only this module and the passes know the codes.
 
 A plain action is one integer, its *code*: ``(stage * mb_bound + microbatch) * 8 + op``, with
-``op`` its index in ``OPS``. ``key = code >> 3`` names the (stage, micro-batch) pair.
+``op`` its index in ``OPS``; its *key* ``stage * mb_bound + microbatch`` names the (stage,
+micro-batch) pair. Only the accessors here (``op_of``, ``key_of``, ``code_from``,
+``stage_of``, ``micro_of``) know the bit layout; the passes call them.
 
 * ``Cells``: per-rank sequences of cells (a compute-only schedule, or the compute cells of a
   lowered one), all ranks end to end. A cell is its first part's code and, for an
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -36,14 +39,24 @@ __all__ = [
     "cell_name",
     "cell_of",
     "code_dtype",
+    "code_from",
     "code_of",
+    "comm_ends",
+    "comm_slot",
     "concat",
     "decode_schedule",
     "encode_lowered",
     "encode_schedule",
     "first_at",
+    "is_recv",
+    "is_send",
+    "key_of",
     "last_at",
+    "micro_of",
     "offsets_of",
+    "op_of",
+    "parts_of",
+    "stage_of",
 ]
 
 OPS = (Op.F, Op.B, Op.I, Op.W, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
@@ -56,15 +69,65 @@ CHUNK = 1 << 18
 temporaries stay some tens of MB whatever the schedule's size."""
 
 
+_OP_BITS = 3
+_OP_MASK = (1 << _OP_BITS) - 1
+
+Codes = TypeVar("Codes", int, np.ndarray)
+"""One code (an ``int``) or an integer array of them: the accessors give the same kind."""
+
+
+def op_of(codes: Codes) -> Codes:
+    """The op of each code (its index in ``OPS``)."""
+    return codes & _OP_MASK
+
+
+def key_of(codes: Codes) -> Codes:
+    """The key (``stage * mb_bound + microbatch``) of each code."""
+    return codes >> _OP_BITS
+
+
+def code_from(keys: Codes, ops: Codes | int) -> Codes:
+    """The code of each (key, op): the inverse of ``key_of`` and ``op_of``."""
+    return (keys << _OP_BITS) + ops
+
+
+def stage_of(codes: Codes, mb_bound: int) -> Codes:
+    """The stage of each code."""
+    return key_of(codes) // mb_bound
+
+
+def micro_of(codes: Codes, mb_bound: int) -> Codes:
+    """The micro-batch of each code."""
+    return key_of(codes) % mb_bound
+
+
+def comm_slot(codes: Codes) -> Codes:
+    """The slot of each comm code: ``key * 2`` for a ``SEND_F`` / ``RECV_F``, ``+ 1`` for a
+    ``SEND_B`` / ``RECV_B`` (a table of slots holds one entry per message direction)."""
+    return key_of(codes) * 2 + (op_of(codes) >= SEND_B)
+
+
+def is_send(codes: np.ndarray) -> np.ndarray:
+    """Whether each code is a ``SEND_F`` or ``SEND_B``."""
+    op = op_of(codes)
+    return (op == SEND_F) | (op == SEND_B)
+
+
+def is_recv(codes: np.ndarray) -> np.ndarray:
+    """Whether each code is a ``RECV_F`` or ``RECV_B``."""
+    op = op_of(codes)
+    return (op == RECV_F) | (op == RECV_B)
+
+
 def code_of(action: Action, mb_bound: int) -> int:
     """The code of a plain action."""
-    return (action.stage * mb_bound + action.microbatch) * 8 + _INDEX[action.op]
+    return code_from(action.stage * mb_bound + action.microbatch, _INDEX[action.op])
 
 
 def action_of(code: int, mb_bound: int) -> Action:
     """The plain action of a code."""
-    stage, mb = divmod(code >> 3, mb_bound)
-    return Action(stage, OPS[code & 7], mb)
+    stage, mb = divmod(key_of(code), mb_bound)
+    return Action(stage, OPS[op_of(code)], mb)
 
 
 def cell_of(first: int, second: int, mb_bound: int) -> Action | None:
@@ -77,8 +140,8 @@ def cell_of(first: int, second: int, mb_bound: int) -> Action | None:
 
 
 def _name(code: int, mb_bound: int) -> str:
-    stage, mb = divmod(code >> 3, mb_bound)
-    return f"{stage}{OPS[code & 7].value}{mb}"
+    stage, mb = divmod(key_of(code), mb_bound)
+    return f"{stage}{OPS[op_of(code)].value}{mb}"
 
 
 def cell_name(first: int, second: int, mb_bound: int) -> str:
@@ -115,7 +178,7 @@ class Cells:
 
     def stage_bound(self) -> int:
         """More than every stage in the codes."""
-        keys = np.concatenate([self.first[self.first >= 0], self.second[self.second >= 0]]) >> 3
+        keys = key_of(np.concatenate([self.first[self.first >= 0], self.second[self.second >= 0]]))
         return int(keys.max()) // self.mb_bound + 1 if len(keys) else 0
 
     def chunks(self, limit: int | None = None) -> list[tuple[int, int]]:
@@ -178,6 +241,27 @@ class Programs:
         post at most ``limit`` comms together (or are one rank): passes that work rank by
         rank take them a chunk at a time, to bound their temporary arrays."""
         return _chunks(np.diff(self.comm_offsets[self.steps.offsets]), limit)
+
+
+def parts_of(cells: Cells, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every part of ``cells`` (codes), its rank and its place in its rank's order (``base``
+    per cell for the first part, ``base + 1`` for the second)."""
+    rank = cells.rank_of_cell()
+    has1, has2 = cells.first >= 0, cells.second >= 0
+    codes = np.concatenate([cells.first[has1], cells.second[has2]])
+    ranks = np.concatenate([rank[has1], rank[has2]])
+    order = np.concatenate([base[has1], base[has2] + 1])
+    return codes, ranks, order
+
+
+_SOURCE = np.asarray([0, 0, 0, 0, 0, -1, 0, +1])  # per op: a comm's source stage - its stage
+_TARGET = np.asarray([0, 0, 0, 0, +1, 0, -1, 0])  # and its destination stage - its stage
+
+
+def comm_ends(codes: np.ndarray, mb_bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """``lower.channel`` on codes: the (source, destination) stage of every comm code."""
+    op, stage = op_of(codes), stage_of(codes, mb_bound)
+    return stage + _SOURCE[op], stage + _TARGET[op]
 
 
 def offsets_of(counts: np.ndarray) -> np.ndarray:

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from graphpipe import packed
 from graphpipe.costs import Costs
 from graphpipe.schedules import SCHEDULES, ScheduleKind
 from graphpipe.splits import check_layers_per_stage, layers_per_stage
@@ -269,8 +270,8 @@ class _Model:
         self.has2 = has2
         first_code = np.where(self.has1, cells.first, 0)
         second_code = np.where(has2, cells.second, 0)
-        self.op1, self.st1 = first_code & 7, (first_code >> 3) // mb
-        self.op2, self.st2 = second_code & 7, (second_code >> 3) // mb
+        self.op1, self.st1 = packed.op_of(first_code), packed.stage_of(first_code, mb)
+        self.op2, self.st2 = packed.op_of(second_code), packed.stage_of(second_code, mb)
         self.offsets = cells.offsets
 
     def stage_vectors(self, counts: Sequence[int]) -> np.ndarray:

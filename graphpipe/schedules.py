@@ -16,9 +16,9 @@ zbv         2N            V, as above (the zero-bubble paper's ZB-V)
 Micro-batch numbers in the generated actions increase by one per (stage, op kind), starting
 at 0; each deferred weight-gradient action ``W`` names its stage and micro-batch explicitly.
 
-A generator does not check what it built: ``simulate.validate`` and ``simulate.dataflow`` do
-(the tests run them on every generator), and ``simulate.resolve_schedule`` runs them on what
-a pipeline is given.
+A generator does not check what it built: ``validate.validate`` and ``simulate.dataflow`` do
+(the tests run them on every generator), and ``validate.resolve_schedule`` runs both checks
+on what a pipeline is given.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class _RankProgram:
         self._taken_of: dict[int, int] = {}
 
     def _codes(self, stage: int, op: int, mbs: np.ndarray) -> np.ndarray:
-        return (stage * self.mb_bound + mbs) * 8 + op
+        return packed.code_from(stage * self.mb_bound + mbs, op)
 
     def f(self, stage: int, count: int = 1) -> _Column:
         """The next ``count`` forwards of ``stage``."""
@@ -121,8 +121,8 @@ class _RankProgram:
         ]
         if where:
             place = np.concatenate([w for w, _ in where])
-            keys = np.concatenate([k for _, k in where])[np.argsort(place, kind="stable")] >> 3
-            keys = keys.tolist()
+            codes = np.concatenate([k for _, k in where])[np.argsort(place, kind="stable")]
+            keys = packed.key_of(codes).tolist()
             self._queue.extend(keys)
             for key in keys:
                 stage, mb = divmod(key, self.mb_bound)
@@ -148,13 +148,14 @@ class _RankProgram:
             assert not self._taken_of, "W's of one stage and of any stage in one program"
             keys = self._queue[self._taken : self._taken + count]
             self._taken += count
-            out = np.asarray(keys, dtype=np.int64) * 8 + packed.W
+            out = packed.code_from(np.asarray(keys, dtype=np.int64), packed.W)
         else:
             assert not self._taken, "W's of one stage and of any stage in one program"
             k = self._taken_of.get(stage, 0)
             mbs = self._by_stage.get(stage, [])[k : k + count]
             self._taken_of[stage] = k + count
-            out = (stage * self.mb_bound + np.asarray(mbs, dtype=np.int64)) * 8 + packed.W
+            keys = stage * self.mb_bound + np.asarray(mbs, dtype=np.int64)
+            out = packed.code_from(keys, packed.W)
         if len(out) < count:
             raise IndexError(f"a W with no pending I (of stage {stage})")
         return out
@@ -332,8 +333,8 @@ def _zbv_cells(num_ranks: int, num_microbatches: int) -> Cells:
         """Rank r's program without the cells of a part of micro-batch >= M."""
         p = _zbv_rank(r, num_ranks, num_microbatches)
         first, second = np.concatenate(p.first), np.concatenate(p.second)
-        keep = ((first >> 3) % total < num_microbatches) & (
-            (second < 0) | ((second >> 3) % total < num_microbatches)
+        keep = (packed.micro_of(first, total) < num_microbatches) & (
+            (second < 0) | (packed.micro_of(second, total) < num_microbatches)
         )
         p.first, p.second = [first[keep]], [second[keep]]
         return p

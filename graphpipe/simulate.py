@@ -1,11 +1,10 @@
-"""Validation and timing of schedules: dependencies, deadlocks, bubble, peak memory.
+"""The execution model: how long a schedule takes when the runtime runs it.
 
-The top pass of the schedule half (``ir`` -> ``schedules`` -> ``timing`` -> ``lower`` ->
-``simulate``): it reads all of them and none reads it. ``validate`` checks a compute-only
-schedule; ``resolve_schedule`` turns what a pipeline is given (a name in
-``schedules.SCHEDULES`` or a user's ``{rank: [Action, ...]}``) into the validated schedule and
-its placement. ``simulate`` runs a lowered schedule
-(``lower.lower``) under the runtime's asynchronous execution model:
+The top pass of the schedule half (``ir`` -> ``packed`` -> ``schedules`` -> ``timing`` ->
+``lower`` -> ``validate`` -> ``simulate``): it reads all of them and none reads it. What can run
+and what is wrong is ``graphpipe.validate``'s (its public names are re-exported here, where
+they were first defined). ``simulate`` runs a lowered schedule (``lower.lower``) under the
+runtime's asynchronous execution model:
 
 * each rank runs its ``Step``s in order; it *posts* step ``k``'s batch (sends and receives)
   as soon as its compute ``k-1`` has finished, and goes on without waiting for it;
@@ -15,25 +14,23 @@ its placement. ``simulate`` runs a lowered schedule
 * a compute starts when its rank is free and every message it reads has arrived; sends
   complete in the background (a rank is done when its sends have arrived).
 
-With ``p2p = 0`` this is pure dataflow (``dataflow``): an action starts when its inputs are
-done and its rank is free, whatever the batches. With ``p2p > 0``, latency reaches the
-critical path only where the dataflow forces it, provided each receive is posted no later
-than its send (``lower`` times receives with the same costs to make sure of it).
+With ``p2p = 0`` this is pure dataflow (``dataflow``, which is ``timing.cell_times`` with a
+timeline): an action starts when its inputs are done and its rank is free, whatever the
+batches. With ``p2p > 0``, latency reaches the critical path only where the dataflow forces
+it, provided each receive is posted no later than its send (``lower`` times receives with the
+same costs to make sure of it).
 
 Messages are matched per directed rank pair in order: the i-th message rank A sends to rank B
-is the i-th receive B posts from A. A receive without a send, a send never received, a pair
-whose two ends disagree on the order, or a compute whose inputs are not there yet is a broken
-dependency; no rank able to progress is a deadlock. Both raise ``ScheduleError`` with the
-whole rank x step grid, the failing cells marked ``*cell*`` and one line of reason per marked
-cell.
+is the i-th receive B posts from A. A broken dependency (``validate.check_dependencies``,
+``validate.check_messages``) or no rank able to progress (a deadlock) raises ``ScheduleError``
+with the whole rank x step grid, the failing cells marked.
 
-Cost: linear in the number of actions. The checks and the run work on ``graphpipe.packed``
-arrays, a chunk of ranks at a time; what they find wrong is then named by replaying the
-``Action`` objects (``_Replay``: the same code, the same messages, only on the way to an error).
-``figures`` is ``graphpipe schedule``'s path: the arrays from the generator to the
-statistics, never one object per action (1024 ranks x 2048 micro-batches, 8.4 million cells:
-docs/schedules.md has the figures). Where a lowered program's run is its dataflow timing
-(``_as_dataflow``, the usual case for what ``lower`` makes) the event loop is not needed.
+Cost: linear in the number of actions. The run works on ``graphpipe.packed`` arrays; its one
+event loop (``_run_loop``) is skipped where a lowered program's run is its dataflow timing
+(``_as_dataflow``, the usual case for what ``lower`` makes: then the run's times are
+``cell_times``' bit for bit). ``figures`` is ``graphpipe schedule``'s path: the arrays from the
+generator to the statistics, never one object per action (1024 ranks x 2048 micro-batches,
+8.4 million cells: docs/schedules.md has the figures).
 """
 
 from __future__ import annotations
@@ -41,18 +38,15 @@ from __future__ import annotations
 import math
 from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import ClassVar
 
 import numpy as np
 
 from graphpipe import packed
 from graphpipe.costs import Costs
-from graphpipe.ir import WAIT_PREFIX, Action, Op, Placement
+from graphpipe.ir import WAIT_PREFIX, Action, Placement
 from graphpipe.lower import (
-    Step,
-    channel,
     comm_codes,
     comms_needed,
     decode_programs,
@@ -62,8 +56,21 @@ from graphpipe.lower import (
     post_receives_early_cells,
 )
 from graphpipe.packed import Cells, Programs
-from graphpipe.schedules import SCHEDULES
 from graphpipe.timing import CellTimes, cell_times
+from graphpipe.validate import (
+    Lowered,
+    ProgramPart,
+    ScheduleError,
+    check_complete,
+    check_dependencies,
+    check_messages,
+    format_grid,
+    grid_cells,
+    resolve_schedule,
+    schedule_error,
+    validate,
+    validate_cells,
+)
 
 __all__ = [
     "Costs",
@@ -81,225 +88,6 @@ __all__ = [
     "validate",
     "validate_cells",
 ]
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: the message holds the grid with the failing cells marked."""
-
-
-# --------------------------------------------------------------------------------------------
-# The grid
-
-
-def format_grid(
-    cells: Mapping[int, Sequence[str]],
-    marked: Mapping[int, int] | None = None,
-    reasons: Iterable[str] = (),
-    flag: str = "blocked",
-) -> str:
-    """The rank x step grid (rows: steps, columns: ranks), like torch's
-    ``_format_pipeline_order``. ``marked[rank] = step`` wraps that cell as ``*cell*`` and
-    ends its row with ``<-- {flag}: rank r``; ``reasons`` are appended one per line."""
-    marked = dict(marked or {})
-    ranks = sorted(cells)
-    rows = max((len(cells[r]) for r in ranks), default=0)
-    width = len(str(max(rows - 1, 0)))
-
-    def cell(rank: int, step: int) -> str:
-        text = cells[rank][step] if step < len(cells[rank]) else ""
-        return f"*{text}*" if marked.get(rank) == step else text
-
-    widths = {r: max([len(f"Rank {r}")] + [len(cell(r, k)) for k in range(rows)]) for r in ranks}
-    label = " " * (len("Step ") + width + 2)
-    lines = [(label + " ".join(f"Rank {r}".ljust(widths[r]) for r in ranks)).rstrip()]
-    for k in range(rows):
-        row = f"Step {k:0{width}d}: " + " ".join(cell(r, k).ljust(widths[r]) for r in ranks)
-        flagged = [r for r in ranks if marked.get(r) == k]
-        if flagged:
-            row += f" <-- {flag}: " + ", ".join(f"rank {r}" for r in flagged)
-        lines.append(row.rstrip())
-    return "\n".join([*lines, *reasons]) + "\n"
-
-
-def _error(
-    title: str,
-    cells: Mapping[int, Sequence[str]],
-    problems: Sequence[tuple[int, int, str]],
-    flag: str,
-) -> ScheduleError:
-    """A ScheduleError for ``problems`` = [(rank, step, reason)]: the first per rank is
-    marked."""
-    marked: dict[int, int] = {}
-    for rank, step, _ in problems:
-        marked.setdefault(rank, step)
-    shown = problems[:20]
-    reasons = [f"rank {r} step {k}: {why}" for r, k, why in shown]
-    if len(problems) > len(shown):
-        reasons.append(f"... and {len(problems) - len(shown)} more")
-    return ScheduleError(f"{title}\n" + format_grid(cells, marked, reasons, flag))
-
-
-# --------------------------------------------------------------------------------------------
-# validate
-
-
-def validate(
-    schedule: Mapping[int, Sequence[Action]], placement: Placement, num_microbatches: int
-) -> None:
-    """Check a compute-only schedule; raise ``ScheduleError`` (grid + reasons) if it is wrong.
-
-    Checks: the ranks are the placement's; each action runs on its stage's rank; each stage
-    runs micro-batches 0..M-1 exactly once forward and once backward (B or I); each I has
-    exactly one later W on the same rank for the same stage and micro-batch, and each W one
-    earlier I; F runs before the backward of each (stage, micro-batch); across a local edge
-    (the V-turn) the producing stage runs first.
-    """
-    cells = {r: [str(a) for a in schedule[r]] for r in schedule}
-    problems: list[tuple[int, int, str]] = []
-    if sorted(schedule) != list(range(placement.num_ranks)):
-        raise ScheduleError(
-            f"the schedule has ranks {sorted(schedule)}, the placement "
-            f"0 .. {placement.num_ranks - 1}\n" + format_grid(cells)
-        )
-    replays = {r: _Replay(r, placement, receives=False) for r in schedule}
-    for rank, replay in replays.items():
-        for k, cell in enumerate(schedule[rank]):
-            problems += [(rank, k, why) for why in replay.compute(cell, k)]
-        problems += [(rank, k, why) for k, why in replay.unfinished()]
-    for stage in range(placement.num_stages):
-        rank = placement.rank_of(stage)
-        forwards, backwards = replays[rank].forwards[stage], replays[rank].backwards[stage]
-        for kind, seen in (("forwards", forwards), ("backwards (B or I)", backwards)):
-            if sorted(seen) != list(range(num_microbatches)):
-                problems.append(
-                    (
-                        rank,
-                        len(cells[rank]),
-                        f"stage {stage} runs {kind} of micro-batches {sorted(seen)}, "
-                        f"expected each of 0 .. {num_microbatches - 1} once",
-                    )
-                )
-    if problems:
-        raise _error("invalid schedule:", cells, problems, "invalid")
-
-
-def resolve_schedule(
-    schedule: str | Mapping[int, Sequence[Action]], n: int, m: int
-) -> tuple[dict[int, list[Action]], Placement, str]:
-    """``schedule`` (a name in ``SCHEDULES``, or a compute-only ``{rank: [Action, ...]}``) for
-    ``n`` ranks and ``m`` micro-batches: the schedule, its placement and its name, validated
-    (``validate``; a schedule whose ranks deadlock each other raises too)."""
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
-        built, placement = SCHEDULES[schedule](n, m)
-        name = schedule
-    elif isinstance(schedule, Mapping):
-        built = {r: list(a) for r, a in schedule.items()}
-        if sorted(built) != list(range(n)):
-            raise ValueError(
-                f"the schedule has ranks {sorted(built)}, but the pipeline has {n} ranks "
-                f"(0 .. {n - 1})"
-            )
-        placement = Placement.from_schedule(built)
-        name = "custom"
-    else:
-        raise TypeError(
-            f"schedule must be a name ({', '.join(sorted(SCHEDULES))}) or a "
-            f"{{rank: [Action, ...]}} mapping, got {type(schedule).__name__}"
-        )
-    validate(built, placement, m)
-    dataflow(built, placement)  # raises ScheduleError, with the grid, if ranks deadlock
-    return built, placement, name
-
-
-class _Replay:
-    """Replays one rank's actions in order and names each that runs before its inputs exist.
-
-    With ``receives=True`` (lowered programs) an input from another rank must have come in by
-    a ``RECV_*`` of this or an earlier step; without (compute-only schedules) it is assumed.
-    """
-
-    def __init__(self, rank: int, placement: Placement, receives: bool) -> None:
-        self.rank, self.placement, self.receives = rank, placement, receives
-        self.done_f: set[tuple[int, int]] = set()
-        self.done_b: set[tuple[int, int]] = set()
-        self.pending_w: dict[tuple[int, int], int] = {}  # (stage, mb) of an I -> its step
-        self.received: set[Action] = set()
-        self.forwards: dict[int, list[int]] = defaultdict(list)  # stage -> mbs, in order
-        self.backwards: dict[int, list[int]] = defaultdict(list)
-
-    def _local(self, stage: int) -> bool:
-        return 0 <= stage < self.placement.num_stages and self.placement.rank_of(stage) == self.rank
-
-    def _missing_input(self, a: Action, src: int, done: set, comm: Op, what: str) -> str | None:
-        """Why the input of ``a`` from stage ``src`` is not there yet, or None."""
-        if not 0 <= src < self.placement.num_stages:
-            return None  # the batch or the loss
-        if self._local(src):
-            if (src, a.microbatch) in done:
-                return None
-            return f"{a} runs before its {what} from stage {src} on this rank"
-        recv = Action(a.stage, comm, a.microbatch)
-        if not self.receives or recv in self.received:
-            return None
-        return f"{a} runs before {recv} brings its {what}"
-
-    def _forward(self, a: Action, step: int) -> str | None:
-        self.forwards[a.stage].append(a.microbatch)
-        self.done_f.add((a.stage, a.microbatch))
-        return self._missing_input(a, a.stage - 1, self.done_f, Op.RECV_F, "input")
-
-    def _backward(self, a: Action, step: int) -> str | None:
-        key = (a.stage, a.microbatch)
-        self.backwards[a.stage].append(a.microbatch)
-        self.done_b.add(key)
-        if a.op is Op.I:
-            self.pending_w[key] = step
-        if key not in self.done_f:
-            return f"{a} runs before F of the same micro-batch"
-        return self._missing_input(a, a.stage + 1, self.done_b, Op.RECV_B, "output gradient")
-
-    def _weight(self, a: Action, step: int) -> str | None:
-        if self.pending_w.pop((a.stage, a.microbatch), None) is None:
-            return f"{a} has no earlier I without a W"
-        return None
-
-    _HANDLERS: ClassVar[dict[Op, Callable[[_Replay, Action, int], str | None]]] = {
-        Op.F: _forward,
-        Op.B: _backward,
-        Op.I: _backward,
-        Op.W: _weight,
-    }
-
-    def compute(self, cell: Action, step: int) -> list[str]:
-        """Run one compute cell (an overlap pair: F part, then B part); the problems found."""
-        if not cell.is_compute:
-            return [f"{cell} is not a compute action"]
-        problems = []
-        for a in cell.parts():
-            if a.stage >= self.placement.num_stages or self.placement.rank_of(a.stage) != self.rank:
-                problems.append(f"{a}: stage {a.stage} does not run on rank {self.rank}")
-            elif why := self._HANDLERS[a.op](self, a, step):
-                problems.append(why)
-        return problems
-
-    def comm(self, c: Action) -> str | None:
-        """Issue one comm; why it is wrong, or None."""
-        if not c.is_comm or not all(0 <= s < self.placement.num_stages for s in channel(c)):
-            return f"{c} is not a comm between two stages"
-        if self.placement.rank_of(c.stage) != self.rank:
-            return f"{c} is not a comm of a stage on rank {self.rank}"
-        produced = {Op.SEND_F: self.done_f, Op.SEND_B: self.done_b}.get(c.op)
-        if produced is None:
-            self.received.add(c)
-        elif (c.stage, c.microbatch) not in produced:
-            return f"{c} sends data that is not computed yet"
-        return None
-
-    def unfinished(self) -> list[tuple[int, str]]:
-        """(step, problem) for each I whose W never ran."""
-        return [(k, f"{s}I{mb} has no later W") for (s, mb), k in sorted(self.pending_w.items())]
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,19 +215,8 @@ def _statistics(makespan: float, ranks: Sequence[RankStats]) -> dict:
 # --------------------------------------------------------------------------------------------
 # simulate
 
-_Lowered = Mapping[int, Sequence[Step]]
-_Cells = dict[int, list[str]]
-_Edge = tuple[int, int]  # (sending rank, receiving rank)
-_SENDS = (Op.SEND_F, Op.SEND_B)
 
-
-def _cells(lowered: _Lowered) -> _Cells:
-    return {
-        r: ["flush" if s.compute is None else str(s.compute) for s in lowered[r]] for r in lowered
-    }
-
-
-def simulate(lowered: _Lowered, placement: Placement, costs: Costs | None = None) -> SimResult:
+def simulate(lowered: Lowered, placement: Placement, costs: Costs | None = None) -> SimResult:
     """Run ``lowered`` (from ``lower.lower``) under the asynchronous model; see the module doc.
 
     Raises ``ScheduleError`` on a broken dependency or a deadlock.
@@ -482,7 +259,7 @@ def dataflow(
     cells = packed.encode_schedule(schedule)
     flat = [a for r in cells.ranks for a in schedule[r]]
     times = cell_times(cells, placement, np.asarray([costs.of(a) for a in flat]), costs.p2p)
-    _check_complete(cells, times)
+    check_complete(cells, times)
     timeline, waits = [], []
     starts, ends = times.starts.tolist(), times.ends.tolist()
     g = 0
@@ -507,19 +284,6 @@ def dataflow(
     )
 
 
-def _check_complete(cells: Cells, times: CellTimes) -> None:
-    """``dataflow``'s deadlock report: a rank whose cells could not all be timed."""
-    if times.complete(cells):
-        return
-    names = cells.names()
-    stuck = [
-        (r, t, "waits for data that is never computed")
-        for r, t, size in zip(cells.ranks, times.timed.tolist(), np.diff(cells.offsets).tolist())
-        if t < size
-    ]
-    raise _error("deadlock: no rank can progress", names, stuck, "blocked")
-
-
 def figures(
     cells: Cells, placement: Placement, num_microbatches: int, costs: Costs | None = None
 ) -> Figures:
@@ -542,246 +306,16 @@ def figures(
     ranks = _rank_stats(programs.steps, makespan, run.spans(), run.waited())
     del run
     if not times.complete(programs.steps):  # what dataflow() reports, on the schedule's cells
-        _check_complete(cells, cell_times(cells, placement, costs.durations(cells), costs.p2p))
+        check_complete(cells, cell_times(cells, placement, costs.durations(cells), costs.p2p))
     return Figures(makespan=makespan, ranks=ranks, dataflow_makespan=times.makespan)
 
 
-def _check_dependencies(lowered: _Lowered, placement: Placement, cells: _Cells) -> None:
-    """Static per-rank checks: every input is there before a compute uses it (received, or
-    computed on this rank), every send's data was computed before the send, every comm is
-    issued by its stage's rank, every W follows its I."""
-    problems: list[tuple[int, int, str]] = []
-    for rank in sorted(lowered):
-        replay = _Replay(rank, placement, receives=True)
-        for k, step in enumerate(lowered[rank]):
-            problems += [(rank, k, why) for c in step.comms if (why := replay.comm(c))]
-            if step.compute is not None:
-                problems += [(rank, k, why) for why in replay.compute(step.compute, k)]
-    if problems:
-        raise _error("broken dependency:", cells, problems, "broken")
-
-
-def _explain_unmatched(lowered: _Lowered, placement: Placement, cells: _Cells) -> None:
-    """Raise ``ScheduleError`` naming every message whose two ends do not pair up: the i-th
-    message each rank sends to a peer is the i-th receive the peer posts from it."""
-    sends: dict[_Edge, list[tuple[Action, int]]] = defaultdict(list)  # (send, step)
-    recvs: dict[_Edge, list[tuple[Action, int]]] = defaultdict(list)  # (recv, step)
-    for rank in sorted(lowered):
-        for k, step in enumerate(lowered[rank]):
-            for c in step.comms:
-                other = peer(c, placement)
-                if c.op in _SENDS:
-                    sends[(rank, other)].append((c, k))
-                else:
-                    recvs[(other, rank)].append((c, k))
-    problems: list[tuple[int, int, str]] = []
-    for edge in sorted(set(sends) | set(recvs)):
-        src, dst = edge
-        out, into = sends[edge], recvs[edge]
-        for i, ((s, sk), (r, rk)) in enumerate(zip(out, into, strict=False)):
-            if matching(s) != r:
-                problems += [
-                    (
-                        src,
-                        sk,
-                        f"rank {src} -> rank {dst}: message {i} is sent as {s} but rank "
-                        f"{dst} receives it as {r} at its step {rk}",
-                    ),
-                    (
-                        dst,
-                        rk,
-                        f"rank {src} -> rank {dst}: message {i} is received as {r} but "
-                        f"rank {src} sends it as {s} at its step {sk}",
-                    ),
-                ]
-        for c, k in out[len(into) :]:
-            problems.append((src, k, f"{c} is never received: rank {dst} posts no {matching(c)}"))
-        for c, k in into[len(out) :]:
-            problems.append(
-                (dst, k, f"{c} has no matching send: rank {src} posts no {matching(c)}")
-            )
-    if problems:
-        raise _error(
-            "broken dependency (unmatched or out-of-order messages):", cells, problems, "broken"
-        )
-
-
 # --------------------------------------------------------------------------------------------
-# Checks on arrays: the fast gates; the replays above explain what they find
+# What the run reads, on arrays
 
 
-def _parts(cells: Cells, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every part of ``cells`` (codes), its rank and its place in its rank's order (``base``
-    per cell for the first part, ``base + 1`` for the second)."""
-    rank = cells.rank_of_cell()
-    has1, has2 = cells.first >= 0, cells.second >= 0
-    codes = np.concatenate([cells.first[has1], cells.second[has2]])
-    ranks = np.concatenate([rank[has1], rank[has2]])
-    order = np.concatenate([base[has1], base[has2] + 1])
-    return codes, ranks, order
-
-
-def _weights_ok(key: np.ndarray, op: np.ndarray, order: np.ndarray, finished: bool) -> bool:
-    """Each W follows an I of its (stage, micro-batch) with no W between; ``finished``: no I
-    is left without its W (``_Replay._weight`` and ``unfinished``)."""
-    sel = (op == packed.I) | (op == packed.W)
-    k, o, w = key[sel], order[sel], op[sel] == packed.W
-    by = np.lexsort((o, k))
-    k, w = k[by], w[by]
-    after_i = np.concatenate([[False], (k[1:] == k[:-1]) & ~w[:-1]])
-    if (w & ~after_i).any():
-        return False
-    last = np.concatenate([k[1:] != k[:-1], [True]])
-    return not (finished and (last & ~w).any())
-
-
-def _local_stages(placement: Placement, ranks: Sequence[int]) -> tuple[np.ndarray, int]:
-    """``(remap, count)``: the stages of ``ranks`` numbered 0 .. count-1 (``remap[s]``; -1 for
-    another rank's stage), so that a table per (stage, micro-batch) of these ranks is small."""
-    owner = np.asarray(placement.stage_to_rank, dtype=np.int64)
-    mine = np.isin(owner, np.asarray(ranks, dtype=np.int64))
-    remap = np.full(placement.num_stages + 1, -1, dtype=np.int64)  # [-1], [S]: no stage
-    remap[np.flatnonzero(mine)] = np.arange(int(mine.sum()))
-    return remap, int(mine.sum())
-
-
-def _compute_ok(
-    codes: np.ndarray,
-    ranks: np.ndarray,
-    order: np.ndarray,
-    placement: Placement,
-    mb: int,
-    local_stages: tuple[np.ndarray, int],
-    received: tuple[np.ndarray, np.ndarray] | None,
-) -> bool:
-    """``_Replay.compute`` for every part at once: on its stage's rank, its inputs there
-    before it (a local neighbour's output computed, a remote one received when ``received``
-    holds the first order of each ``RECV_F`` / ``RECV_B`` of these ranks, by local key), B/I
-    after F, W after I. ``local_stages``: ``_local_stages`` of the ranks of ``codes``."""
-    owner = np.asarray(placement.stage_to_rank, dtype=np.int64)
-    stages = placement.num_stages
-    op, key = codes & 7, codes >> 3
-    stage, micro = key // mb, key % mb
-    if (op > packed.W).any() or (stage >= stages).any() or (owner[stage] != ranks).any():
-        return False
-    remap, count = local_stages
-    local_key = remap[stage] * mb + micro  # every part is on one of these ranks now
-    size = count * mb
-    forward = op == packed.F
-    backward = (op == packed.B) | (op == packed.I)
-    done_f = packed.first_at(size, local_key[forward], order[forward])
-    done_b = packed.first_at(size, local_key[backward], order[backward])
-    for sel, offset, done, comm in ((forward, -1, done_f, 0), (backward, +1, done_b, 1)):
-        s, m, o = stage[sel], micro[sel], order[sel]
-        src = s + offset
-        inside = (src >= 0) & (src < stages)
-        local = inside & (owner[np.clip(src, 0, stages - 1)] == owner[s])
-        if not (done[remap[src[local]] * mb + m[local]] < o[local]).all():
-            return False
-        if received is not None:
-            remote = inside & ~local
-            if not (received[comm][local_key[sel][remote]] < o[remote]).all():
-                return False
-    if not (done_f[local_key[backward]] < order[backward]).all():
-        return False
-    return _weights_ok(local_key, op, order, finished=received is None)
-
-
-def _schedule_ok(cells: Cells, placement: Placement, num_microbatches: int) -> bool:
-    """Whether ``validate`` finds nothing wrong with ``cells``, without naming it (a chunk of
-    ranks at a time: every check concerns the actions of one rank)."""
-    if cells.ranks != tuple(range(placement.num_ranks)):
-        return False
-    return all(
-        _ranks_ok(cells.part(lo, hi), placement, num_microbatches) for lo, hi in cells.chunks()
-    )
-
-
-def _ranks_ok(cells: Cells, placement: Placement, num_microbatches: int) -> bool:
-    codes, ranks, order = _parts(cells, 2 * np.arange(len(cells), dtype=np.int64))
-    mb = cells.mb_bound
-    local_stages = _local_stages(placement, cells.ranks)
-    if not _compute_ok(codes, ranks, order, placement, mb, local_stages, None):
-        return False
-    remap, count = local_stages
-    op, stage, micro = codes & 7, (codes >> 3) // mb, (codes >> 3) % mb
-    m = num_microbatches
-    for sel in (op == packed.F, (op == packed.B) | (op == packed.I)):
-        if (micro[sel] >= m).any():
-            return False
-        counts = np.bincount(remap[stage[sel]] * m + micro[sel], minlength=count * m)
-        if not (counts == 1).all():  # each stage of these ranks: every micro-batch once
-            return False
-    return True
-
-
-def validate_cells(cells: Cells, placement: Placement, num_microbatches: int) -> None:
-    """``validate`` on ``packed.Cells``: the checks on arrays; what they find is reported by
-    ``validate`` on the decoded schedule (the same ``ScheduleError``)."""
-    if not _schedule_ok(cells, placement, num_microbatches):
-        validate(packed.decode_schedule(cells), placement, num_microbatches)
-        raise AssertionError("validate_cells found a problem that validate does not report")
-
-
-_SOURCE = np.asarray([0, 0, 0, 0, 0, -1, 0, +1])  # per op: a comm's source stage - its stage
-_TARGET = np.asarray([0, 0, 0, 0, +1, 0, -1, 0])  # and its destination stage - its stage
-
-
-def _comm_ends(codes: np.ndarray, mb: int) -> tuple[np.ndarray, np.ndarray]:
-    """``channel`` on codes: the (source, destination) stage of every comm code."""
-    op, stage = codes & 7, (codes >> 3) // mb
-    return stage + _SOURCE[op], stage + _TARGET[op]
-
-
-class _Chunk:
-    """The programs of some ranks (``Programs.part`` of rank indices ``lo`` to ``hi``) and,
-    computed once for the checks that read them, per comm: its step (in the chunk), rank,
-    op, key, stage, micro-batch, source and destination stage. ``c0`` / ``g0``: the chunk's
-    first comm and step in the whole programs."""
-
-    def __init__(self, programs: Programs, lo: int, hi: int) -> None:
-        self.programs = part = programs.part(lo, hi)
-        self.g0 = int(programs.steps.offsets[lo])
-        self.c0 = int(programs.comm_offsets[self.g0])
-        mb = part.steps.mb_bound
-        self.step = part.comm_step()
-        per_rank = np.diff(part.comm_offsets[part.steps.offsets])
-        self.rank = np.repeat(np.asarray(part.steps.ranks, dtype=np.int64), per_rank)
-        self.op, self.key = part.comms & 7, part.comms >> 3
-        self.stage, self.micro = np.divmod(self.key, mb)
-        self.src, self.dst = self.stage + _SOURCE[self.op], self.stage + _TARGET[self.op]
-        self.is_send = (self.op == packed.SEND_F) | (self.op == packed.SEND_B)
-
-    def dependencies_ok(self, placement: Placement) -> bool:
-        """Whether ``_check_dependencies`` finds nothing wrong here, without naming it."""
-        steps, mb, stages = self.programs.steps, self.programs.steps.mb_bound, placement.num_stages
-        owner = np.asarray(placement.stage_to_rank, dtype=np.int64)
-        op, where = self.op, 3 * self.step  # a step's comms come before its compute
-        if (op < packed.SEND_F).any():
-            return False
-        ends = np.concatenate([self.src, self.dst]).astype(np.uint64)  # a negative: too large
-        if (ends >= stages).any() or (owner[self.stage] != self.rank).any():
-            return False
-        local_stages = remap, count = _local_stages(placement, steps.ranks)
-        local_key = remap[self.stage] * mb + self.micro
-        parts, part_rank, order = _parts(steps, 3 * np.arange(len(steps), dtype=np.int64) + 1)
-        size = count * mb
-        received = tuple(
-            packed.first_at(size, local_key[op == c], where[op == c])
-            for c in (packed.RECV_F, packed.RECV_B)
-        )
-        if not _compute_ok(parts, part_rank, order, placement, mb, local_stages, received):  # type: ignore[arg-type]
-            return False
-        p_op, p_key = parts & 7, parts >> 3
-        p_local = remap[p_key // mb] * mb + p_key % mb
-        for send, made in (
-            (packed.SEND_F, p_op == packed.F),
-            (packed.SEND_B, (p_op == packed.B) | (p_op == packed.I)),
-        ):
-            done = packed.first_at(size, p_local[made], order[made])
-            if not (done[local_key[op == send]] < where[op == send]).all():
-                return False
-        return True
+class _Chunk(ProgramPart):
+    """A ``validate.ProgramPart`` and what the run reads of it."""
 
     def rank_pairs(self, placement: Placement) -> np.ndarray:
         """Per comm, its directed rank pair ``sender * num_ranks + receiver``."""
@@ -801,7 +335,7 @@ class _Chunk:
         out = []
         for cells in (part.steps.first, part.steps.second):
             want, _ = comm_codes(cells, placement, part.steps.mb_bound)
-            slot = (want >> 3) * 2 + ((want & 7) == packed.RECV_B)
+            slot = packed.comm_slot(want)
             out.append(np.where(want >= 0, posted[np.maximum(slot, 0)], -1))
         return out
 
@@ -818,8 +352,9 @@ class _Chunk:
         wants = np.where(self.op[sends] == packed.SEND_F, packed.F, packed.B)
         made = np.zeros(len(sends), dtype=bool)
         for part in (steps.first[step - 1], steps.second[step - 1]):
-            part_op = np.where((part & 7) == packed.I, packed.B, part & 7)
-            made |= (part >= 0) & ((part >> 3) == self.key[sends]) & (part_op == wants)
+            op = packed.op_of(part)
+            part_op = np.where(op == packed.I, packed.B, op)
+            made |= (part >= 0) & (packed.key_of(part) == self.key[sends]) & (part_op == wants)
         return bool(made.all())
 
 
@@ -827,9 +362,9 @@ def _posted(programs: Programs, placement: Placement) -> np.ndarray:
     """Per receive slot (``key * 2``, ``+ 1`` for ``RECV_B``), the last comm posting it (-1:
     none); a valid program's comms are on stages of the placement."""
     codes = programs.comms
-    recvs = np.flatnonzero(((codes & 7) == packed.RECV_F) | ((codes & 7) == packed.RECV_B))
+    recvs = np.flatnonzero(packed.is_recv(codes))
     size = (placement.num_stages + 1) * programs.steps.mb_bound * 2
-    slot = (codes[recvs] >> 3) * 2 + ((codes[recvs] & 7) == packed.RECV_B)
+    slot = packed.comm_slot(codes[recvs])
     inside = slot < size  # the others fail the checks
     return packed.last_at(size, slot[inside], recvs[inside])
 
@@ -848,8 +383,8 @@ class _Messages:
 def _pair(codes: np.ndarray, rank_pair: np.ndarray, mb: int) -> _Messages | None:
     """Pair the i-th message each rank sends to a peer with the i-th receive the peer posts
     from it (``rank_pair``: per comm, see ``_Chunk.rank_pairs``); None when they do not match
-    (``_explain_unmatched`` says why)."""
-    is_send = ((codes & 7) == packed.SEND_F) | ((codes & 7) == packed.SEND_B)
+    (``validate.check_messages`` says why)."""
+    is_send = packed.is_send(codes)
     sends, recvs = np.flatnonzero(is_send), np.flatnonzero(~is_send)
     del is_send
     if len(sends) != len(recvs):
@@ -857,13 +392,17 @@ def _pair(codes: np.ndarray, rank_pair: np.ndarray, mb: int) -> _Messages | None
     index = np.int32 if len(codes) < 2**31 else np.int64
     sends = sends[np.argsort(rank_pair[sends], kind="stable")].astype(index)
     recvs = recvs[np.argsort(rank_pair[recvs], kind="stable")].astype(index)
-    shift = mb * 8 + 1  # SEND_F s -> RECV_F s+1; SEND_B s -> RECV_B s-1
     for lo in range(0, len(sends), packed.CHUNK):
         s_, r_ = sends[lo : lo + packed.CHUNK], recvs[lo : lo + packed.CHUNK]
         if not (rank_pair[s_] == rank_pair[r_]).all():
             return None
         sent = codes[s_]
-        matched = np.where((sent & 7) == packed.SEND_F, sent + shift, sent - shift + 2)
+        key = packed.key_of(sent)  # SEND_F s -> RECV_F s+1; SEND_B s -> RECV_B s-1
+        matched = np.where(
+            packed.op_of(sent) == packed.SEND_F,
+            packed.code_from(key + mb, packed.RECV_F),
+            packed.code_from(key - mb, packed.RECV_B),
+        )
         if not (matched == codes[r_]).all():
             return None
     pair = rank_pair[sends]
@@ -901,9 +440,9 @@ class _Outcome:
         they cross it."""
         mb = programs.steps.mb_bound
         sends = programs.comms[self.messages.send]
-        src, dst = _comm_ends(sends, mb)
+        src, dst = packed.comm_ends(sends, mb)
         order: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for s, d, micro in zip(src.tolist(), dst.tolist(), ((sends >> 3) % mb).tolist()):
+        for s, d, micro in zip(src.tolist(), dst.tolist(), packed.micro_of(sends, mb).tolist()):
             order[(s, d)].append(micro)
         return {ch: tuple(mbs) for ch, mbs in sorted(order.items())}
 
@@ -925,7 +464,7 @@ def _run(
     placement: Placement,
     durations: np.ndarray,
     p2p: float,
-    steps_of: Callable[[], _Lowered],
+    steps_of: Callable[[], Lowered],
     times: CellTimes | None = None,
 ) -> _Outcome:
     """The event loop of ``simulate`` on ``Programs``: advance every rank as far as its
@@ -943,8 +482,7 @@ def _run(
     for lo, hi in programs.chunks():  # the checks, and what the run reads, rank by rank
         chunk = _Chunk(programs, lo, hi)
         if not chunk.dependencies_ok(placement):
-            lowered = steps_of()
-            _check_dependencies(lowered, placement, _cells(lowered))
+            check_dependencies(steps_of(), placement)
             raise AssertionError("the array checks found a broken dependency the replay does not")
         rank_pair[chunk.c0 : chunk.c0 + len(chunk.op)] = chunk.rank_pairs(placement)
         posted = _posted(programs, placement) if posted is None else posted
@@ -955,8 +493,7 @@ def _run(
     messages = _pair(codes, rank_pair, steps.mb_bound)
     del rank_pair
     if messages is None:
-        lowered = steps_of()
-        _explain_unmatched(lowered, placement, _cells(lowered))
+        check_messages(steps_of(), placement)
         raise AssertionError("the array checks found unmatched messages the replay does not")
     # message j: the steps that post its two ends; per step: the messages its compute reads
     comm_step = programs.comm_step().astype(messages.send.dtype)
@@ -1069,7 +606,7 @@ def _run_loop(
     edge_start: np.ndarray,
     p2p: float,
     placement: Placement,
-    steps_of: Callable[[], _Lowered],
+    steps_of: Callable[[], Lowered],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Advance the ranks from a work list: a rank runs its steps (posting each batch when it
     reaches it) until a compute reads a message whose other end is not posted yet, and is
@@ -1165,11 +702,11 @@ def _deadlock(
     local: list[int],
     stuck: list[int],
     placement: Placement,
-    lowered: _Lowered,
+    lowered: Lowered,
 ) -> ScheduleError:
     """The deadlock report: each stuck rank's compute, and for each message it waits for,
     the peer that has not posted its end and where that peer is stuck."""
-    cells = _cells(lowered)
+    cells = grid_cells(lowered)
     ranks = steps.ranks
     index_of = {r: i for i, r in enumerate(ranks)}
     offsets = steps.offsets.tolist()
@@ -1193,7 +730,7 @@ def _deadlock(
                     f"at step {j} ({cell})",
                 )
             )
-    return _error("deadlock: no rank can progress", cells, problems, "blocked")
+    return schedule_error("deadlock: no rank can progress", cells, problems, "blocked")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1210,10 +747,10 @@ def _rank_stats(
     for lo, hi in cells.chunks():
         part = cells.part(lo, hi)
         base = int(cells.offsets[lo])
-        codes, _, order = _parts(part, 2 * np.arange(len(part), dtype=np.int64))
+        codes, _, order = packed.parts_of(part, 2 * np.arange(len(part), dtype=np.int64))
         by = np.argsort(order, kind="stable")
         codes, cell = codes[by], order[by] // 2  # every part in program order, and its cell
-        op = codes & 7
+        op = packed.op_of(codes)
         live = np.select([op == packed.F, (op == packed.B) | (op == packed.I)], [1, -1], 0)
         pending = np.select([op == packed.I, op == packed.W], [1, -1], 0)
         part_bounds = np.searchsorted(cell, part.offsets).tolist()

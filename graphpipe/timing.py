@@ -71,7 +71,9 @@ def dataflow_times(
     latency: float = 0.0,
 ) -> DataflowTimes:
     """Time ``cells`` (per rank, compute cells in order; ``None`` takes no time) by data
-    dependencies alone, ``latency`` added to every input that crosses ranks."""
+    dependencies alone, ``latency`` added to every input that crosses ranks.
+
+    One encoding of the rule: this encodes the cells, runs ``cell_times`` and decodes."""
     encoded = packed.encode_schedule(cells)
     flat = [c for r in encoded.ranks for c in cells[r]]
     costs = np.asarray([0.0 if c is None else durations(c) for c in flat], dtype=np.float64)
@@ -95,7 +97,8 @@ class CellTimes:
     starts / ends: per cell (NaN for a cell not timed).
     timed: per rank (in ``Cells.ranks`` order), how many of its cells were timed.
     done: per data item, when it was computed (NaN: never); item ``key * 2`` is the forward
-        output of ``key = code >> 3``, ``key * 2 + 1`` its input gradient (see ``data_item``).
+        output of ``key = packed.key_of(code)``, ``key * 2 + 1`` its input gradient (see
+        ``data_item``).
     """
 
     starts: np.ndarray
@@ -116,7 +119,7 @@ class CellTimes:
 def data_item(codes: np.ndarray, mb_bound: int, last_stage: int) -> np.ndarray:
     """Per plain action code, the data item (see ``CellTimes.done``) it reads from a
     neighbour stage, or -1 (``producer`` on codes); -1 codes give -1."""
-    op, key = codes & 7, codes >> 3
+    op, key = packed.op_of(codes), packed.key_of(codes)
     stage = key // mb_bound
     item = np.full(len(codes), -1, dtype=np.int64)
     forward = (codes >= 0) & (op == packed.F) & (stage > 0)
@@ -178,8 +181,9 @@ class _State:
         for codes in (cells.first, cells.second):
             need = data_item(codes, mb, placement.last_stage)
             remote = (need >= 0) & (owner[np.clip((need >> 1) // mb, 0, stages)] != rank)
-            made = (codes >> 3) * 2 + ((codes & 7) != packed.F)
-            made = np.where((codes >= 0) & ((codes & 7) != packed.W), made, size + 1)
+            op = packed.op_of(codes)
+            made = packed.key_of(codes) * 2 + (op != packed.F)
+            made = np.where((codes >= 0) & (op != packed.W), made, size + 1)
             columns += [np.where(need >= 0, need, size).astype(item), remote, made.astype(item)]
         del rank
         self.need1, self.remote1, self.made1, self.need2, self.remote2, self.made2 = columns

@@ -3,8 +3,8 @@
 ``graphpipe.timing``, ``lower`` and ``simulate`` compute on ``graphpipe.packed`` arrays so
 that they scale; the tests check that they give what these object-by-object versions (the
 code of commit 0938455, trimmed to what the oracle needs) give on small schedules. The replay
-that names what is wrong (``_Replay`` in ``_check_dependencies``) is the same code in both and
-is imported from ``graphpipe.simulate``.
+that names what is wrong (``_Replay`` in ``check_dependencies``) is the same code in both and
+is imported from ``graphpipe.validate``.
 """
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ from collections.abc import Mapping, Sequence
 
 from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import Step, channel, comms_needed, comms_produced, matching, peer
-from graphpipe.simulate import (
-    Costs,
-    RankStats,
-    ScheduleError,
-    SimResult,
-    TimelineRecord,
-    WaitRecord,
-    _cells,
-    _check_dependencies,
-    _error,
-)
+from graphpipe.simulate import Costs, RankStats, SimResult, TimelineRecord, WaitRecord
 from graphpipe.timing import DataflowTimes, Durations, Produced, producer
+from graphpipe.validate import ScheduleError, check_dependencies, grid_cells, schedule_error
 
 # --------------------------------------------------------------------------------------------
 # timing
@@ -220,8 +211,8 @@ def simulate(lowered: _Lowered, placement: Placement, costs: Costs | None = None
     Raises ``ScheduleError`` on a broken dependency or a deadlock.
     """
     costs = costs or Costs()
-    cells = _cells(lowered)
-    _check_dependencies(lowered, placement, cells)
+    cells = grid_cells(lowered)
+    check_dependencies(lowered, placement)
     edges, channel_order = _match_edges(lowered, placement, cells)
     timeline, waits, finish = _Run(lowered, placement, costs, edges, cells).run()
     makespan = max(finish.values(), default=0.0)
@@ -256,7 +247,7 @@ def dataflow(
             for r in sorted(schedule)
             if len(times.starts[r]) < len(schedule[r])
         ]
-        raise _error("deadlock: no rank can progress", cells, stuck, "blocked")
+        raise schedule_error("deadlock: no rank can progress", cells, stuck, "blocked")
     timeline, waits = [], []
     for r in sorted(schedule):
         free = 0.0
@@ -328,7 +319,7 @@ def _match_edges(
                 (dst, k, f"{c} has no matching send: rank {src} posts no {matching(c)}")
             )
     if problems:
-        raise _error(
+        raise schedule_error(
             "broken dependency (unmatched or out-of-order messages):", cells, problems, "broken"
         )
     order: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -427,7 +418,7 @@ class _Run:
                             f"at step {j} ({cell})",
                         )
                     )
-        return _error("deadlock: no rank can progress", self.cells, problems, "blocked")
+        return schedule_error("deadlock: no rank can progress", self.cells, problems, "blocked")
 
 
 def _rank_stats(

@@ -19,7 +19,8 @@ from graphpipe.cli import main
 from graphpipe.costs import Costs
 from graphpipe.lower import forward_only, lower, transfers
 from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import figures, resolve_schedule
+from graphpipe.simulate import figures
+from graphpipe.validate import resolve_schedule
 
 SIZES = [(2, 4), (4, 16), (16, 64), (16, 128), (4, 256)]
 CASES = [(k, n, m) for k in sorted(SCHEDULES) for n, m in SIZES]

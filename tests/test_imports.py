@@ -38,6 +38,7 @@ SCHEDULE_LAYERS = (
     "graphpipe.schedules",
     "graphpipe.timing",
     "graphpipe.lower",
+    "graphpipe.validate",
     "graphpipe.simulate",
     "graphpipe.render",
 )
@@ -209,6 +210,17 @@ def test_the_runtime_imports_nothing_from_the_models() -> None:
         if m.startswith("graphpipe.runtime")
         for t in targets
         if t == "graphpipe.models" or t.startswith("graphpipe.models.")
+    )
+    assert not found, found
+
+
+def test_the_runtime_checks_schedules_without_the_execution_model() -> None:
+    """The runtime takes ``resolve_schedule`` from ``graphpipe.validate``; the simulator
+    (``graphpipe.simulate``) is for the tools above it."""
+    found = sorted(
+        m
+        for m, targets in GRAPH.items()
+        if m.startswith("graphpipe.runtime") and "graphpipe.simulate" in targets
     )
     assert not found, found
 

@@ -10,15 +10,8 @@ import pytest
 from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import Step, lower, peer
 from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import (
-    Costs,
-    ScheduleError,
-    dataflow,
-    format_grid,
-    resolve_schedule,
-    simulate,
-    validate,
-)
+from graphpipe.simulate import Costs, dataflow, simulate
+from graphpipe.validate import ScheduleError, format_grid, resolve_schedule, validate
 
 
 def _run(name: str, n: int, m: int, costs: Costs | None = None):
@@ -172,7 +165,12 @@ def test_timeline_is_sequential_per_rank_with_the_costed_durations(name: str) ->
 
 
 def test_p2p_latency_lengthens_the_run() -> None:
-    assert _run("dualpipev", 3, 8, Costs(p2p=0.2)).makespan > _run("dualpipev", 3, 8).makespan
+    schedule, placement = SCHEDULES["dualpipev"](3, 8)
+    costs = Costs(p2p=0.2)
+    timed = lower(schedule, placement, durations=costs.of, latency=costs.p2p)
+    slow = simulate(timed, placement, costs).makespan
+    assert slow == dataflow(schedule, placement, costs).makespan  # where dataflow puts it
+    assert slow > _run("dualpipev", 3, 8).makespan == DATAFLOW_MAKESPAN["dualpipev"](3, 8)
 
 
 @pytest.mark.parametrize("n", range(2, 7))
@@ -301,12 +299,24 @@ def test_simulated_waits_name_the_receives_and_fill_the_gaps() -> None:
 # Validation as a pass: what the generators build, and what a pipeline is given
 
 
+# The makespans with Costs() (F=1, B=2, I=1, W=1: F + B = 3 per stage and micro-batch): 1F1B
+# runs M + N - 1 slots of F + B; the V schedules keep each rank busy 2M (F + B) and idle
+# DualPipe's (N - 1)(F&B + B - 3W) = 2(N - 1), ZB-V's N - 1.
+DATAFLOW_MAKESPAN = {
+    "1f1b": lambda n, m: 3 * (m + n - 1),
+    "dualpipev": lambda n, m: 6 * m + 2 * (n - 1),
+    "zbv": lambda n, m: 6 * m + (n - 1),
+}
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize(("n", "m"), [(1, 2), (2, 4), (3, 7), (4, 8), (5, 16)])
 def test_every_generated_schedule_validates_and_runs_as_dataflow(name: str, n: int, m: int):
     schedule, placement = SCHEDULES[name](n, m)
     validate(schedule, placement, m)
-    assert dataflow(schedule, placement).makespan > 0
+    result = dataflow(schedule, placement)
+    assert result.makespan == DATAFLOW_MAKESPAN[name](n, m)
+    assert [r.busy for r in result.ranks] == [3 * m * len(placement.stages_of(r)) for r in range(n)]
 
 
 def test_resolve_schedule_by_name_builds_and_places_it() -> None:

@@ -33,7 +33,8 @@ from typing import Any
 from graphpipe.ir import Action, Op
 from graphpipe.lower import lower
 from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import ScheduleError, SimResult, simulate
+from graphpipe.simulate import SimResult, simulate
+from graphpipe.validate import ScheduleError
 
 from .ranges import Kind, Range, action_of
 

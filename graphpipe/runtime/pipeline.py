@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphpipe.costs import Costs
 from graphpipe.ir import Action, Op
 from graphpipe.lower import forward_only, lower, transfers
 from graphpipe.meta import StepRecord
 from graphpipe.nvtx import Ranges
 from graphpipe.plan import StaticPlan
-from graphpipe.simulate import Costs, resolve_schedule
+from graphpipe.validate import resolve_schedule
 
 from .accumulation import GradSync
 from .batch import BatchAgreement, Signature
