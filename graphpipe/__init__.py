@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .errors import PipelineClosed, PipelineError
     from .ir import Action, Op, load_csv
     from .roles import mark_expert, mark_tied
-    from .runtime import DualPipeV, Pipeline, clip_grad_norm_
+    from .runtime import DualPipeV, PerMicrobatch, Pipeline, clip_grad_norm_
     from .schedules import dualpipev
     from .simulate import Costs
     from .weightgrad import no_defer
@@ -24,6 +24,7 @@ __all__ = [
     "Costs",
     "DualPipeV",
     "Op",
+    "PerMicrobatch",
     "Pipeline",
     "PipelineClosed",
     "PipelineError",
@@ -43,6 +44,7 @@ __getattr__, __dir__ = lazy_attributes(
         "Costs": ".simulate",
         "DualPipeV": ".runtime",
         "Op": ".ir",
+        "PerMicrobatch": ".runtime",
         "Pipeline": ".runtime",
         "PipelineClosed": ".errors",
         "PipelineError": ".errors",
