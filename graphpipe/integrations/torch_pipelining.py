@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from graphpipe.ir import Action, Op
-from graphpipe.runtime import Pipeline
+from graphpipe.runtime import PerMicrobatch, Pipeline
 from graphpipe.simulate import resolve_schedule
 
 __all__ = [
@@ -110,6 +110,19 @@ def _cat(what: str, mbs: Sequence[Any]) -> Any:
         f"{what}: graphpipe takes tensors (or tuples of tensors) per micro-batch, got "
         f"{type(first).__name__}"
     )
+
+
+def _keyword(name: str, mbs: list[Any]) -> Any:
+    """A pre-split keyword: tensors (or tuples of them) concatenated on dim 0 into a keyword
+    tensor, other values (a BlockMask, a dataclass of tensors) as ``PerMicrobatch``."""
+    first = mbs[0]
+    if isinstance(first, torch.Tensor) or (
+        isinstance(first, (tuple, list))
+        and first
+        and all(isinstance(t, torch.Tensor) for t in first)
+    ):
+        return _cat(f"kwarg_mbs[...][{name!r}]", mbs)
+    return PerMicrobatch(mbs)
 
 
 class _StaticLossKwargs:
@@ -279,15 +292,29 @@ class PipelineSchedule:
             if p.op is Op.F and p.stage == last
         ]
         self._outputs_in_order = order == sorted(order)
-        self.pipe = Pipeline(
-            [s.submod for s in stages],
-            schedule=built,
-            num_microbatches=m,
-            loss_fn=self._loss if loss_fn is not None else _no_loss,
-            group=group if distributed else None,
-            loss_reduction="sum",
-            **options,
-        )
+        self._first = rank == placement.rank_of(0)
+        self._last = rank == placement.rank_of(last)
+        self._schedule, self._group = built, group if distributed else None
+        self._options = options
+        self._pipe: Pipeline | None = None
+
+    @property
+    def pipe(self) -> Pipeline:
+        """The ``graphpipe.Pipeline``, built at the first ``step`` or ``eval`` (every rank
+        calls it then), as torch's schedules initialize their stages at the first step: a
+        model built on the meta device and initialized after the schedule (torchtitan's
+        order) is seen with its real parameters."""
+        if self._pipe is None:
+            self._pipe = Pipeline(
+                [s.submod for s in self._stages],
+                schedule=self._schedule,
+                num_microbatches=self._n_microbatches,
+                loss_fn=self._loss if self._loss_fn is not None else _no_loss,
+                group=self._group,
+                loss_reduction="sum",
+                **self._options,
+            )
+        return self._pipe
 
     # -------------------------------------------------------------- the loss
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -301,11 +328,13 @@ class PipelineSchedule:
 
     @property
     def has_last_stage(self) -> bool:
-        return self.pipe.is_loss_rank
+        """Whether this rank runs the last stage (its ``loss_fn``, its ``losses``)."""
+        return self._last
 
     @property
     def has_first_stage(self) -> bool:
-        return self.pipe.is_input_rank
+        """Whether this rank runs stage 0 (it takes the positional arguments)."""
+        return self._first
 
     # -------------------------------------------------------------- the batch
     def _batch(
@@ -340,16 +369,15 @@ class PipelineSchedule:
                     raise ValueError(
                         f"kwarg_mbs[{i}] has keywords {sorted(kw)}, kwarg_mbs[0] has {names}"
                     )
-            kwargs = {k: _cat(f"kwarg_mbs[...][{k!r}]", [kw[k] for kw in kwarg_mbs]) for k in names}
+            kwargs = {k: _keyword(k, [kw[k] for kw in kwarg_mbs]) for k in names}
         if target_mbs is not None:
             if target is not None:
                 raise ValueError("pass either target or target_mbs, not both")
             target = _cat("target_mbs", target_mbs)
-        pipe = self.pipe
         inputs = None
-        if pipe.is_input_rank:
+        if self._first:
             inputs = args[0] if len(args) == 1 else (tuple(args) if args else None)
-        labels = target if pipe.is_loss_rank else None
+        labels = target if self._last else None
         return inputs, labels, kwargs
 
     def _outputs_merged(self) -> Any:
@@ -382,12 +410,12 @@ class PipelineSchedule:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
         pipe = self.pipe
-        if return_outputs and self._capture and pipe.is_loss_rank:
+        if return_outputs and self._capture:  # on every rank: none is left waiting
             raise ValueError(
                 "return_outputs=True cannot be served by a captured step (a replay runs no "
                 "Python that could collect the outputs): pass return_outputs=False"
             )
-        if return_outputs and pipe.is_loss_rank and not self._outputs_in_order:
+        if return_outputs and not self._outputs_in_order:  # on every rank, too
             raise ValueError(
                 "return_outputs=True: this schedule runs the last stage's forwards out of "
                 "micro-batch order, so the outputs cannot be merged in order; pass "
@@ -396,7 +424,7 @@ class PipelineSchedule:
         inputs, labels, kw = self._batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         self._loss_kwargs.set(loss_kwargs)
         self._outputs = []
-        self._collect_outputs = return_outputs and pipe.is_loss_rank
+        self._collect_outputs = return_outputs and self._last
         try:
             pipe.step(inputs, labels, **kw)
         finally:
