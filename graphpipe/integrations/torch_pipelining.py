@@ -55,6 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from graphpipe.ir import Action, Op
 from graphpipe.runtime import PerMicrobatch, Pipeline
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 # Pipeline arguments the wrapper sets itself from torch's arguments.
-_RESERVED = ("schedule", "num_microbatches", "loss_fn", "group", "loss_reduction", "dp_group")
+_RESERVED = ("schedule", "num_microbatches", "loss_fn", "group", "loss_reduction")
 
 
 def _gpipe(num_ranks: int, num_microbatches: int) -> dict[int, list[Action]]:
@@ -237,6 +238,14 @@ class PipelineSchedule:
                 "gradients by n_microbatches after it: pass scale_grads=False with a loss_fn "
                 f"that divides by n_microbatches itself, or drop {inside[0]}"
             )
+        dp_group = options.get("dp_group")
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            raise ValueError(
+                f"{name}: a dp_group of {dist.get_world_size(dp_group)} ranks would sum the "
+                "replicas' gradients (the schedule sums micro-batches, loss_reduction='sum'), "
+                "where torch's data parallelism averages them; only a dp_group of one rank "
+                "(FSDP2 stages that are not sharded) is accepted"
+            )
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError(f"{name} needs this rank's PipelineStage objects, got none")
@@ -260,8 +269,6 @@ class PipelineSchedule:
         self._loss_kwargs = _StaticLossKwargs(self._capture)
         self._outputs: list[Any] = []
         self._collect_outputs = False
-
-        import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
         n = dist.get_world_size(group) if distributed else 1

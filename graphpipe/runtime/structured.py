@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -342,8 +343,19 @@ def _functions(v: Any, where: str, depth: int = 0) -> Iterator[tuple[Callable, s
         for k, x in v.items():
             yield from _functions(x, f"{where}[{k!r}]", depth + 1)
         return
+    if isinstance(v, functools.partial):
+        yield from _functions((v.func, v.args, v.keywords), where, depth + 1)
+        return
     if callable(v) and getattr(v, "__closure__", None) is not None:
         yield v, where
+        for cell in v.__closure__:  # functions it closes over (and_masks(causal, document))
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if not isinstance(content, torch.Tensor):
+                name = getattr(v, "__qualname__", "function")
+                yield from _functions(content, f"{where} ({name})", depth + 1)
         return
     attrs = _attributes(v)
     if attrs is not None:
