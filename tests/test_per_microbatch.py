@@ -5,6 +5,7 @@ eager and captured, against a single-process reference; what differs is refused 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -195,15 +196,35 @@ def test_one_rank_pipeline_refuses_a_wrong_count_and_checks_structures() -> None
         check_captured(structures(kw), other)
 
 
-def test_capture_refuses_a_function_closing_over_tensors() -> None:
-    ids = torch.arange(4)
+def test_a_closure_over_tensors_reads_its_static_buffers() -> None:
+    """A mask_mod closing over document ids: its tensor is part of the value, so a rebuilt
+    value (what a captured step holds) reads the static buffer, refreshed by a copy."""
 
-    def make():
+    def document_mask(ids):
         def same_document(b, h, q, kv):
             return ids[q] == ids[kv]
 
         return same_document
 
-    value = graphpipe.PerMicrobatch([{"mask_mod": make(), "t": torch.ones(1)}])
-    with pytest.raises(ValueError, match=r"same_document.*closes over tensors"):
+    values = [{"mask_mod": document_mask(torch.tensor([0, 0, 1, 1]) * i)} for i in range(2)]
+    given = graphpipe.PerMicrobatch(values)
+    static = given.over([torch.zeros_like(t) for t in given])
+    rebuilt = static.microbatches(2, torch.device("cpu"))
+    q = torch.arange(4)
+    assert bool(rebuilt[1]["mask_mod"](0, 0, q[:, None], q[None, :]).all())  # zeros: one doc
+    static[0].copy_(given[0])  # what a replay's copy does
+    want = values[1]["mask_mod"](0, 0, q[:, None], q[None, :])
+    assert torch.equal(rebuilt[1]["mask_mod"](0, 0, q[:, None], q[None, :]), want)
+    assert not bool(want.all())
+    check_capturable({"m": given})  # nothing hidden from the static buffers
+
+
+def test_capture_refuses_tensors_it_cannot_reach_naming_them() -> None:
+    def mod(b, h, q, kv, ids):
+        return ids[q] == ids[kv]
+
+    value = graphpipe.PerMicrobatch(
+        [{"mask_mod": functools.partial(mod, ids=torch.arange(4)), "t": torch.ones(1)}]
+    )
+    with pytest.raises(ValueError, match=r"functools\.partial of .*mod.*holds tensors"):
         check_capturable({"m": value})

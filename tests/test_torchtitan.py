@@ -200,18 +200,19 @@ def _grad_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e} of the norms"
 
 
-def test_capture_refuses_torchtitans_document_mask_naming_it() -> None:
-    """torchtitan's document mask is a BlockMask whose mask_mod closes over the batch's
-    document ids: a captured step would replay the captured ids, so capture is refused,
-    naming the keyword, on every rank, before any step runs."""
-    results = run_ranks(_job_error, 2, timeout=900, pg_timeout=600)
-    for err in results:
-        assert "keyword 'attention_masks'" in err and "closes over tensors" in err, err
-
-
-def _job_error(rank: int, world: int) -> str:
-    try:
-        _job(rank, world, "graphpipe", "step", 1)
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+def test_captured_pipelining_fn_equals_eager_and_torchs_interleaved1f1b() -> None:
+    """capture="step" (on CPU: warmup, static step, then replays of the static step), three
+    steps whose document boundaries move: the BlockMask's tensors and the document ids its
+    mask_mod closes over live in static buffers refreshed each step."""
+    steps = 3
+    interleaved = run_ranks(
+        _job, 2, "torch", None, steps, "Interleaved1F1B", timeout=900, pg_timeout=600
+    )
+    got = run_ranks(_job, 2, "graphpipe", "step", steps, timeout=900, pg_timeout=600)
+    _losses_equal(interleaved[1]["losses"], got[0]["losses"])
+    for s in range(steps):
+        full = {**interleaved[0]["grads"][s], **interleaved[1]["grads"][s]}
+        mine = {**got[0]["grads"][s], **got[1]["grads"][s]}
+        assert sorted(mine) == sorted(full)
+        for name, want in full.items():
+            _grad_close(name, mine[name], want)

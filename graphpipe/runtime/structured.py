@@ -8,9 +8,11 @@ tensors, each tensor found inside the values stacked over the micro-batches (dim
 the batch agreement compares their shapes and dtypes across ranks, and capture gives them
 static buffers like any keyword tensor. What is not a tensor is the value's *structure*:
 
-- the containers walked: tensors, tuples / lists (named tuples too), dicts, and objects
+- the containers walked: tensors, tuples / lists (named tuples too), dicts, objects
   (dataclasses, a ``BlockMask``) whose attributes hold tensors: such an object is rebuilt as
-  a shallow copy (``copy.copy``) whose tensor-holding attributes are set anew;
+  a shallow copy (``copy.copy``) whose tensor-holding attributes are set anew; and functions
+  whose closure holds tensors (a ``mask_mod`` reading document ids), rebuilt as new
+  functions of the same code over new cells;
 - everything else is a constant (an int, a string, a function), described by its ``repr``
   (plain values) or its type and qualified name (functions, other objects).
 
@@ -18,8 +20,9 @@ The micro-batches must have one structure (same types, constants and tensor shap
 ``ValueError`` names the micro-batch and the place that differs). The ranks agree on the
 structure's description (``structure_digest``, folded into the keyword digest of the batch
 agreement). Under capture: a step whose structure differs from the captured one is refused
-naming the keyword (``check_captured``), and so is a function constant that closes over
-tensors (its tensors cannot be given static buffers: ``check_capturable``).
+naming the keyword (``check_captured``), and so are tensors the walk does not reach (a
+``functools.partial``'s arguments, a function's defaults, a callable object's attributes:
+``check_capturable``).
 
 Owns: nothing (values and pure functions). May touch: nothing.
 """
@@ -30,7 +33,8 @@ import copy
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,8 +60,24 @@ def _holds_tensors(v: Any, depth: int = 0) -> bool:
         return any(_holds_tensors(x, depth + 1) for x in v)
     if isinstance(v, dict):
         return any(_holds_tensors(x, depth + 1) for x in v.values())
+    if isinstance(v, types.FunctionType):
+        return any(_holds_tensors(c, depth + 1) for c in _cells(v))
     attrs = _attributes(v)
     return attrs is not None and any(_holds_tensors(x, depth + 1) for x in attrs.values())
+
+
+_EMPTY = object()  # an empty closure cell
+
+
+def _cells(fn: types.FunctionType) -> list[Any]:
+    """The contents of a function's closure cells (``_EMPTY`` for an empty one)."""
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            out.append(_EMPTY)
+    return out
 
 
 def _attributes(v: Any) -> dict[str, Any] | None:
@@ -106,6 +126,14 @@ def _flatten(v: Any, leaves: list[torch.Tensor], where: str) -> Any:
             tuple(v),
             tuple(_flatten(x, leaves, f"{where}[{k!r}]") for k, x in v.items()),
         )
+    if isinstance(v, types.FunctionType) and _holds_tensors(v):
+        # A function closing over tensors (a mask_mod reading document ids): its tensor
+        # cells are part of the value, rebuilt as a new function over other tensors.
+        cells = _cells(v)
+        idx = tuple(i for i, c in enumerate(cells) if _holds_tensors(c))
+        consts = tuple((str(i), _constant(c)) for i, c in enumerate(cells) if i not in idx)
+        kids = tuple(_flatten(cells[i], leaves, f"{where}.<closure {i}>") for i in idx)
+        return ("function", f"{v.__module__}.{v.__qualname__}", idx, consts, kids)
     attrs = _attributes(v)
     if attrs is not None and any(_holds_tensors(x) for x in attrs.values()):
         names = tuple(k for k, x in attrs.items() if _holds_tensors(x))
@@ -122,6 +150,10 @@ def _describe(spec: Any) -> str:
         return f"tensor{list(spec[2])} {spec[1]}"
     if kind == "const":
         return spec[1]
+    if kind == "function":
+        cells = [f"{i}={_describe(s)}" for i, s in zip(spec[2], spec[4], strict=True)]
+        cells += [f"{i}={c}" for i, c in spec[3]]
+        return f"<function {spec[1]}>(closure: " + ", ".join(cells) + ")"
     t = spec[1]
     tname = f"{t.__module__}.{t.__qualname__}"
     if kind == "seq":
@@ -152,6 +184,22 @@ def _rebuild(template: Any, spec: Any, leaves: Iterator[torch.Tensor]) -> Any:
         for k, s in zip(spec[2], spec[3], strict=True):
             out[k] = _rebuild(template[k], s, leaves)
         return out
+    if kind == "function":
+        cells = list(template.__closure__)
+        contents = _cells(template)
+        for i, s in zip(spec[2], spec[4], strict=True):
+            cells[i] = types.CellType(_rebuild(contents[i], s, leaves))
+        fn = types.FunctionType(
+            template.__code__,
+            template.__globals__,
+            template.__name__,
+            template.__defaults__,
+            tuple(cells),
+        )
+        fn.__kwdefaults__ = template.__kwdefaults__
+        fn.__qualname__ = template.__qualname__
+        fn.__dict__.update(template.__dict__)
+        return fn
     out = copy.copy(template)
     for k, s in zip(spec[2], spec[4], strict=True):
         object.__setattr__(out, k, _rebuild(getattr(template, k), s, leaves))
@@ -162,6 +210,8 @@ def _first_difference(a: Any, b: Any, where: str) -> str:
     """Where two structures first differ, in words."""
     if a[0] != b[0] or (a[0] in ("tensor", "const") and a != b):
         return f"{where} is {_describe(b)}, not {_describe(a)}"
+    if a[0] == "function" and a[1] != b[1]:
+        return f"{where} is the function {b[1]}, not {a[1]}"
     if a[0] in ("seq", "dict", "object") and a[1] is not b[1]:
         return f"{where} is a {b[1].__qualname__}, not a {a[1].__qualname__}"
     if a[0] == "seq":
@@ -175,7 +225,9 @@ def _first_difference(a: Any, b: Any, where: str) -> str:
     else:
         if a[2] != b[2] or a[3] != b[3]:
             return f"{where} is {_describe(b)}, not {_describe(a)}"
-        pairs = [(f"{where}.{k}", x, y) for k, x, y in zip(a[2], a[4], b[4])]
+        dot = ".<closure " if a[0] == "function" else "."
+        end = ">" if a[0] == "function" else ""
+        pairs = [(f"{where}{dot}{k}{end}", x, y) for k, x, y in zip(a[2], a[4], b[4])]
     for w, x, y in pairs:
         if x != y:
             return _first_difference(x, y, w)
@@ -309,55 +361,46 @@ def check_captured(captured: Mapping[str, Any], given: Mapping[str, Any]) -> Non
 
 
 def check_capturable(kwargs: Mapping[str, Any]) -> None:
-    """Refuse ``PerMicrobatch`` values that capture cannot serve: a function constant that
-    closes over tensors (a mask_mod reading a tensor): they cannot get static buffers."""
+    """Refuse ``PerMicrobatch`` values that capture cannot serve: tensors that the walk of
+    the structure does not reach (in a ``functools.partial``'s arguments, a function's
+    defaults, a callable object's attributes) could not get static buffers, and a replay
+    would read the captured ones."""
     for name, v in kwargs.items():
         if not isinstance(v, PerMicrobatch) or not v.values:
             continue
-        for fn, where in _functions(v.values[0], "the value"):
-            cells = getattr(fn, "__closure__", None) or ()
-            for cell in cells:
-                try:
-                    content = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if _holds_tensors(content):
-                    raise ValueError(
-                        f"keyword {name!r}: {where} is the function "
-                        f"{getattr(fn, '__qualname__', fn)!r}, which closes over tensors; "
-                        "capture cannot give them static buffers (a replay would read the "
-                        "captured ones): pass those tensors inside the value, or run the "
-                        "pipeline without capture"
-                    )
+        for where in _unreached(v.values[0], "the value"):
+            raise ValueError(
+                f"keyword {name!r}: {where} holds tensors that capture cannot give static "
+                "buffers (a replay would read the captured ones): pass them inside the "
+                "value (a closure, an attribute, a container), or run without capture"
+            )
 
 
-def _functions(v: Any, where: str, depth: int = 0) -> Iterator[tuple[Callable, str]]:
-    """The function constants inside ``v`` (one level of objects' attributes deep per level)."""
-    if depth > 8 or isinstance(v, torch.Tensor):
+def _unreached(v: Any, where: str, depth: int = 0) -> Iterator[str]:
+    """Where ``v`` holds tensors that ``_flatten`` does not reach."""
+    if depth > 8 or isinstance(v, (torch.Tensor, *_PLAIN)):
         return
     if isinstance(v, (tuple, list)):
         for i, x in enumerate(v):
-            yield from _functions(x, f"{where}[{i}]", depth + 1)
-        return
-    if isinstance(v, dict):
+            yield from _unreached(x, f"{where}[{i}]", depth + 1)
+    elif isinstance(v, dict):
         for k, x in v.items():
-            yield from _functions(x, f"{where}[{k!r}]", depth + 1)
-        return
-    if isinstance(v, functools.partial):
-        yield from _functions((v.func, v.args, v.keywords), where, depth + 1)
-        return
-    if callable(v) and getattr(v, "__closure__", None) is not None:
-        yield v, where
-        for cell in v.__closure__:  # functions it closes over (and_masks(causal, document))
-            try:
-                content = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if not isinstance(content, torch.Tensor):
-                name = getattr(v, "__qualname__", "function")
-                yield from _functions(content, f"{where} ({name})", depth + 1)
-        return
-    attrs = _attributes(v)
-    if attrs is not None:
-        for k, x in attrs.items():
-            yield from _functions(x, f"{where}.{k}", depth + 1)
+            yield from _unreached(x, f"{where}[{k!r}]", depth + 1)
+    elif isinstance(v, functools.partial):
+        if _holds_tensors((v.args, v.keywords)):
+            yield f"{where} (a functools.partial of {_constant(v.func)})"
+        yield from _unreached(v.func, where, depth + 1)
+    elif isinstance(v, types.FunctionType):
+        if _holds_tensors((v.__defaults__ or (), v.__kwdefaults__ or {})):
+            yield f"{where} (the defaults of {v.__qualname__!r})"
+        for i, c in enumerate(_cells(v)):
+            if c is not _EMPTY:
+                yield from _unreached(c, f"{where}.<closure {i}>", depth + 1)
+    elif callable(v) and not isinstance(v, type) and not dataclasses.is_dataclass(v):
+        attrs = getattr(v, "__dict__", {})
+        if not isinstance(v, torch.nn.Module) and _holds_tensors(dict(attrs)):
+            yield f"{where} (a callable {type(v).__qualname__})"
+    else:
+        attrs = _attributes(v)
+        for k, x in (attrs or {}).items():
+            yield from _unreached(x, f"{where}.{k}", depth + 1)
