@@ -216,3 +216,20 @@ def test_captured_pipelining_fn_equals_eager_and_torchs_interleaved1f1b() -> Non
         assert sorted(mine) == sorted(full)
         for name, want in full.items():
             _grad_close(name, mine[name], want)
+
+
+def test_pipelining_fn_runs_torchs_order_of_other_schedules() -> None:
+    """Interleaved1F1B, which graphpipe does not generate: pipelining_fn runs the order
+    torch's class generated (its pipeline_order) with the same losses and gradients."""
+    steps = 1
+    want = run_ranks(_job, 2, "torch", None, steps, "Interleaved1F1B", timeout=900, pg_timeout=600)
+    got = run_ranks(
+        _job, 2, "graphpipe", None, steps, "Interleaved1F1B", timeout=900, pg_timeout=600
+    )
+    assert (got[1]["first"], got[1]["last"]) == (False, True)  # loop placement: 3 on rank 1
+    _losses_equal(want[1]["losses"], got[1]["losses"])
+    assert got[1]["losses"][0]
+    for r in range(2):
+        assert sorted(got[r]["grads"][0]) == sorted(want[r]["grads"][0])
+        for name, w in want[r]["grads"][0].items():
+            _grad_close(name, got[r]["grads"][0][name], w)
