@@ -53,9 +53,12 @@ CRC-32 detects accidental damage (every error burst up to 32 bits; anything else
 2**-32 chance), not tampering; ``zlib.crc32`` hashes 2.2 GiB/s on one core against
 0.44 GiB/s for ``hashlib.blake2b`` (Intel Xeon, a 512 MiB file in the page cache).
 ``load_checkpoint`` verifies before it reads anything: every rank checks ``.metadata`` and
-the files it wrote, and the shapes of its tensors against ``.metadata``; the ranks exchange
-their verdicts, and all raise the same error. A damaged, truncated or missing file is a
-``CheckpointError`` naming the checkpoint and the file. ``verify_checkpoint`` checks a
+the files it wrote, and the shapes of its tensors against ``.metadata``, rank 0 the
+directory's listing (a file the marker does not list is damage too: DCP would read it through
+``.metadata``); the ranks exchange their verdicts, and all raise the same error. A damaged,
+truncated, missing or unlisted file is a ``CheckpointError`` naming the checkpoint and the
+file. ``save_checkpoint(..., keep=K)`` counts only the older checkpoints that verify (the
+ranks check them as a load does) and never deletes ``resumed_from``. ``verify_checkpoint`` checks a
 checkpoint in one process; ``find_resumable`` finds the newest one that verifies and says
 which newer ones it skipped and why.
 
@@ -245,9 +248,21 @@ def _crc_problem(path: Path, name: str, saved: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _unlisted(path: Path, files: Mapping[str, Any]) -> str | None:
+    """The first entry of the directory ``path`` that is neither the marker nor listed in
+    ``files`` (None: there is none)."""
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError:
+        return None  # the files' own checks name what cannot be read
+    return next((n for n in names if n != MARKER and n not in files), None)
+
+
 def _verify(path: Path, info: Mapping[str, Any], rank: int | None = None) -> None:
-    """Check the checkpoint's files against the marker ``info``: all of them (``rank`` None)
-    or ``.metadata`` and the ones ``rank`` wrote. Raises ``CheckpointError``."""
+    """Check the checkpoint's files against the marker ``info``: all of them and the
+    directory's listing (``rank`` None), or ``.metadata`` and the ones ``rank`` wrote (rank 0
+    the listing too). Raises ``CheckpointError``: a file missing, truncated, corrupt, or
+    present but not listed in the marker (DCP would read it through ``.metadata``)."""
     if info.get("format") != _FORMAT or not isinstance(info.get("files"), dict):
         raise CheckpointError(
             path,
@@ -255,6 +270,15 @@ def _verify(path: Path, info: Mapping[str, Any], rank: int | None = None) -> Non
             "load_checkpoint(..., verify=False) loads it unverified",
         )
     files: dict[str, Any] = info["files"]
+    if rank is None or rank == 0:  # the directory's listing: no file may be unaccounted for
+        unlisted = _unlisted(path, files)
+        if unlisted is not None:
+            raise CheckpointError(
+                path,
+                f"file {unlisted} is not listed in {MARKER} (a save lists every file it "
+                "writes: this one was added, or its entry removed, since)",
+                unlisted,
+            )
     names = sorted(
         name
         for name, saved in files.items()
@@ -270,8 +294,9 @@ def _verify(path: Path, info: Mapping[str, Any], rank: int | None = None) -> Non
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
     """Check every file of the checkpoint at ``path`` against the sizes and CRC-32s its marker
-    recorded, in this process. Raises ``FileNotFoundError`` when ``path`` is not a complete
-    checkpoint, ``CheckpointError`` naming the first damaged, truncated or missing file."""
+    recorded, and that it holds no file the marker does not list, in this process. Raises
+    ``FileNotFoundError`` when ``path`` is not a complete checkpoint, ``CheckpointError``
+    naming the first unlisted, damaged, truncated or missing file."""
     path = Path(path)
     _verify(path, _marker(path))
 
@@ -428,6 +453,7 @@ def save_checkpoint(
     keep: int | None = None,
     meta: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
+    resumed_from: str | os.PathLike | None = None,
 ) -> Path:
     """Save this rank's share of the training state in ``ROOT/step-{step:08d}`` (all ranks call).
 
@@ -435,8 +461,14 @@ def save_checkpoint(
     optimizer: one optimizer or several over those stages' parameters (or None).
     extra: this rank's other state, objects with ``state_dict()``/``load_state_dict()`` (e.g.
         ``{"data": batch_iterator}``).
-    keep: after saving, delete all but the newest ``keep`` complete checkpoints up to this
-        step (and the incomplete ones older than this one); None keeps all.
+    keep: after saving, keep the newest ``keep`` checkpoints up to this step whose files
+        verify, this one included, and delete the others older than this step: the older
+        ones that verify, the ones that do not (they are not counted) and the incomplete
+        ones. The ranks verify the older checkpoints newest first, each its own files as
+        ``load_checkpoint`` does, until ``keep - 1`` verify (in steady state: the
+        ``keep - 1`` that remain from earlier saves, read back once more); None keeps all.
+    resumed_from: the checkpoint this run resumed from, which ``keep`` never deletes (the
+        last state known to load stays until the run ends, whatever it saves after it).
     meta: JSON-serializable facts for the marker (rank 0's are kept), read back by
         ``checkpoint_info``: e.g. the settings a resumed run must share.
     group: the process group of the pipeline's ranks (default: the world).
@@ -447,6 +479,8 @@ def save_checkpoint(
     path = checkpoint_path(root, step)
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1, got keep={keep!r}")
+    if resumed_from is not None and not isinstance(resumed_from, (str, os.PathLike)):
+        raise ValueError(f"resumed_from must be a path or None, got {resumed_from!r}")
     model = _check_stages(stages)
     try:
         json.dumps(dict(meta or {}))
@@ -495,8 +529,8 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path / MARKER)
-        if keep is not None:
-            _prune(Path(root), step, keep)
+    if keep is not None:
+        _retain(Path(root), path, keep, rank, world, group, resumed_from)
     if distributed:
         dist.barrier(group=group)
     return path
@@ -511,14 +545,57 @@ def _tied_names(model: nn.ModuleDict, shards: Mapping[str, str]) -> list[list[st
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _prune(root: Path, step: int, keep: int) -> None:
+def _share_problem(path: Path, rank: int, world: int) -> str | None:
+    """This rank's share of verifying the checkpoint ``path`` (its own files, as a load
+    checks them; all of them on rank 0 for a checkpoint of another world size): why it
+    fails, or None."""
+    info = _read_marker(path)
+    if info is None:
+        return f"incomplete (no readable {MARKER})"
+    try:
+        if info.get("world_size") == world:
+            _verify(path, info, rank)
+        elif rank == 0:
+            _verify(path, info)
+    except CheckpointError as e:
+        return e.reason
+    return None
+
+
+def _retain(
+    root: Path,
+    path: Path,
+    keep: int,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    resumed_from: str | os.PathLike | None,
+) -> None:
+    """``save_checkpoint``'s ``keep`` after ``path`` is complete (every rank calls)."""
+    step = int(_NAME.fullmatch(path.name).group(1))  # type: ignore[union-attr]
     # Only checkpoints up to this step count: a newer one left by a run that was resumed
     # from an older checkpoint (it did not verify) is overwritten when the run gets there.
-    complete = [(s, p) for s, p in _complete(root) if s <= step]
-    doomed = [p for _, p in complete[:-keep]]
-    for s, child in _steps(root):
-        if s < step and _read_marker(child) is None:
-            doomed.append(child)
+    older = [str(p) for s, p in reversed(_complete(root)) if s < step]  # newest first
+    if _distributed():  # rank 0's listing, so that every rank verifies the same ones
+        views: list[Any] = [None] * world
+        dist.all_gather_object(views, older, group=group)
+        older = views[0]
+    kept = [path]
+    for candidate in map(Path, older):
+        if len(kept) >= keep:
+            break
+        mine = _share_problem(candidate, rank, world)
+        problems: list[Any] = [mine]
+        if _distributed():
+            problems = [None] * world
+            dist.all_gather_object(problems, mine, group=group)
+        if all(p is None for p in problems):
+            kept.append(candidate)
+    if rank != 0:
+        return
+    protected = Path(resumed_from).resolve() if resumed_from is not None else None
+    doomed = [p for p in map(Path, older) if p not in kept and p.resolve() != protected]
+    doomed += [c for s, c in _steps(root) if s < step and _read_marker(c) is None]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
 

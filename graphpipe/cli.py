@@ -1,9 +1,11 @@
 """The ``graphpipe`` command line: one function per subcommand, registered in ``_SUBCOMMANDS``.
 
 ``graphpipe schedule --ranks N --microbatches M [--schedule dualpipev|1f1b|zbv]
-[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE] [--full]`` prints a
-schedule and what the simulator finds about it (``simulate.figures``, linear in the number of
-actions). Bad input exits with code 2 and a one-line message.
+[--format grid|csv|json] [--costs F=1,B=2,W=1,...] [--out PICTURE] [--full]
+[--memory-limit SIZE]`` prints a schedule and what the simulator finds about it
+(``simulate.figures``, linear in the number of actions). Bad input, and a size whose
+estimated memory (``graphpipe.footprint``) is above the limit, exit with code 2 and a
+one-line message before anything is built.
 
 ``--help``, ``--version`` and argument errors import no torch (nor numpy, nor triton): the
 parsers are built from modules that import them only when a command runs, so the command
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from graphpipe.costs import Costs
+from graphpipe.footprint import add_memory_limit_argument
 from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
 
@@ -117,11 +120,33 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
         "cells (otherwise the grid format prints a one-line note in the grid's place and --out "
         "is refused): both are then slow and large",
     )
+    add_memory_limit_argument(p)
     p.set_defaults(func=_cmd_schedule, parser=p)
     return p
 
 
+def _schedule_memory(args: argparse.Namespace) -> str | None:
+    """The refusal of a size whose estimated memory is above the limit (``graphpipe
+    .footprint``): the simulation's arrays, plus the objects of ``--out``'s picture and the
+    strings of a ``--full`` grid."""
+    from graphpipe import footprint
+
+    n, m = args.ranks, args.microbatches
+    need = footprint.figures_bytes(args.schedule, n, m)
+    if args.out:
+        need += footprint.runtime_bytes(args.schedule, n, m)
+    if args.full and args.format == "grid":
+        need += (
+            footprint.GRID_BYTES_PER_ACTION * footprint.schedule_size(args.schedule, n, m).actions
+        )
+    what = f"--schedule {args.schedule} --ranks {n} --microbatches {m}"
+    return footprint.check_memory(what, need, footprint.memory_limit(args.memory_limit))
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
+    problem = (check_output_file("--out", args.out) if args.out else None) or _schedule_memory(args)
+    if problem is not None:  # before anything is imported or built
+        args.parser.error(problem)
     from graphpipe.lower import lower
     from graphpipe.packed import decode_schedule
     from graphpipe.schedules import SCHEDULES
@@ -129,9 +154,6 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
     kind: ScheduleKind = SCHEDULES[args.schedule]
     costs: Costs = args.costs
-    problem = check_output_file("--out", args.out) if args.out else None
-    if problem is not None:
-        args.parser.error(problem)
     try:
         cells = kind.cells(args.ranks, args.microbatches)
     except ValueError as e:
@@ -285,6 +307,7 @@ _FORMATS: dict[str, Callable[[Cells, dict[str, Any], bool], None]] = {
 
 _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = {
     "schedule": _add_schedule_parser,
+    "plan": lambda sub: _lazy("plan_command").add_parser(sub),
     "train": lambda sub: _lazy("train").add_parser(sub),
     "bench": lambda sub: _lazy("bench").add_parser(sub),
     "profile": lambda sub: _lazy("profile").add_parser(sub),
@@ -293,7 +316,8 @@ _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], argparse.Argument
 
 
 def _lazy(name: str) -> Any:
-    """Subcommands that live in their own module (``graphpipe.train``, ``graphpipe.bench``)."""
+    """Subcommands that live in their own module (``graphpipe.train``, ``graphpipe.bench``,
+    ``graphpipe.plan_command``)."""
     import importlib
 
     return importlib.import_module(f"graphpipe.{name}")

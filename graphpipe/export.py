@@ -6,8 +6,15 @@ named, with why). ``OUT.pt`` gets ``graphpipe.checkpoint.export_state_dict`` of 
 ``torch.save`` (to a temporary name, then a rename), so that
 ``model.load_state_dict(torch.load("OUT.pt"), strict=True)`` loads it into the unsplit model.
 
-Argument errors (no ``DIR``, ``OUT.pt`` a directory or in none) exit with status 2 before
-any work; a checkpoint that does not verify or export exits with status 1; one line each.
+``OUT.pt`` is checked first, before ``DIR`` is looked at or anything is read
+(``graphpipe.outputs.check_output_file``, the rule of every command's outputs: its directory
+must exist and be writable, an existing file is overwritten, a directory is refused).
+Argument errors (``OUT.pt`` that cannot be written, no ``DIR``) exit with status 2 before any
+work; a checkpoint that does not verify or export exits with status 1; one line each.
+
+With ``--hf-config CONFIG`` (``OUT`` then a new directory) it writes a Hugging Face model
+directory instead, for ``from_pretrained``: ``graphpipe.models.hf_export``.
+
 Only the parser is built on import: the command imports torch when it runs.
 """
 
@@ -18,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from graphpipe.outputs import check_output_file
 
 __all__ = ["add_parser", "run"]
 
@@ -42,19 +51,34 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="a checkpoint (DIR/step-NNNNNNNN), or a checkpoint directory: its newest "
         "checkpoint that verifies",
     )
-    p.add_argument("out", metavar="OUT.pt", help="the file to write")
+    p.add_argument(
+        "out", metavar="OUT.pt", help="the file to write (with --hf-config: the model directory)"
+    )
+    p.add_argument(
+        "--hf-config",
+        metavar="CONFIG",
+        default=None,
+        help="write a Hugging Face model directory instead (config.json and safetensors, "
+        "for from_pretrained) of the model of CONFIG, a directory holding config.json or "
+        "the file; OUT must not exist",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float64", "bfloat16", "float16"),
+        default=None,
+        help="with --hf-config: write the weights in this dtype (default: the checkpoint's)",
+    )
     p.set_defaults(func=run, parser=p)
     return p
 
 
 def _check(args: argparse.Namespace) -> str | None:
+    """The output first (nothing is read before it is known to be writable), then ``DIR``."""
+    problem = check_output_file("OUT.pt", args.out)
+    if problem is not None:
+        return problem
     if not os.path.isdir(args.dir):
         return f"{args.dir}: no such directory"
-    if os.path.isdir(args.out):
-        return f"{args.out} is a directory; give a file name"
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent):
-        return f"{args.out}: directory {parent} does not exist"
     return None
 
 
@@ -65,6 +89,12 @@ def _fail(message: str, status: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``graphpipe export``: check the arguments, find the checkpoint, export, write."""
+    if args.hf_config is not None:
+        from .models.hf_export import run_cli
+
+        return run_cli(args)
+    if args.dtype is not None:
+        return _fail("--dtype needs --hf-config", 2)
     problem = _check(args)
     if problem is not None:
         return _fail(problem, 2)

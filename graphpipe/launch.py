@@ -6,6 +6,10 @@ rank prints a traceback. A rank dies with its launcher (``PR_SET_PDEATHSIG`` on 
 a rank fails, the others are stopped and ``launch`` raises ``RankFailed`` with the rank's
 traceback (or, for a rank that raised ``RunStopped``, with its one-line reason).
 
+The job's c10d store (a TCPStore) lives in the launching process, not in rank 0: it outlives
+the ranks, as torchrun's agent store does, so a rank that fails and exits at once (global
+rank 0 included) leaves its failure notice readable for the others (docs/failures.md).
+
 torch is imported when ranks start, not with this module: ``RankFailed`` and
 ``joined_torchrun`` serve the command line before it has decided to run anything.
 """
@@ -94,7 +98,12 @@ def _init(rank: int, world: int, device: str) -> torch.device:
     import torch
     import torch.distributed as dist
 
-    store = _torchrun_store(world) if joined_torchrun() else None
+    if joined_torchrun():
+        store = _torchrun_store(world)
+    else:  # the launcher serves the store (``_serve_store``)
+        store = dist.TCPStore(
+            "127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, timeout=_TIMEOUT
+        )
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but CUDA is not available")
@@ -170,14 +179,16 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    store = _serve_store()  # kept until every rank has ended
+    port = store.port
     pipes = [ctx.Pipe(duplex=False) for _ in range(num_ranks)]
     procs = [
         ctx.Process(target=_spawned, args=(r, num_ranks, port, device, fn, args, pipes[r][1]))
         for r in range(num_ranks)
     ]
     try:
-        with _sigint_ignored():  # the ranks inherit the ignored SIGINT (see the module doc)
+        # the ranks inherit the ignored SIGINT (see the module doc) and the store's host
+        with _sigint_ignored(), _environ(GRAPHPIPE_STORE_HOST="the graphpipe launcher process"):
             for p in procs:
                 p.start()
         for _, sender in pipes:
@@ -185,6 +196,31 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
         _wait(procs, [receiver for receiver, _ in pipes])
     finally:
         _stop(procs)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the ranks start (spawn copies it), then as
+    before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _serve_store() -> Any:
+    """The job's store, served by this (the launching) process on a free port."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", _free_port(), is_master=True, wait_for_workers=False, timeout=_TIMEOUT
+    )
 
 
 def _spawned(

@@ -149,6 +149,40 @@ def test_keep_prunes_older_checkpoints(tmp_path: Path) -> None:
     ]
 
 
+def _names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_keep_counts_only_the_checkpoints_that_verify_and_deletes_the_others(
+    tmp_path: Path,
+) -> None:
+    # A run resumed from step 2 past a damaged step 4 saves step 5: step 4 does not count
+    # (before, it was kept and step 2 deleted, leaving one usable checkpoint).
+    stages, _, opt = _pipeline()
+    for step in (1, 2, 4):
+        save_checkpoint(tmp_path, step, stages, opt)
+    _flip(tmp_path / "step-00000004" / "__0_0.distcp")
+    (tmp_path / "step-00000004" / "stray").write_text("x")  # an unlisted file, not counted
+    save_checkpoint(tmp_path, 5, stages, opt, keep=2)
+    assert _names(tmp_path) == ["step-00000002", "step-00000005"]
+    for name in _names(tmp_path):
+        verify_checkpoint(tmp_path / name)
+
+
+def test_keep_never_deletes_the_checkpoint_resumed_from(tmp_path: Path) -> None:
+    stages, _, opt = _pipeline()
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, stages, opt)
+    _unlist(tmp_path / "step-00000004" / "__0_0.distcp")
+    resumed = find_resumable(tmp_path)[0]
+    assert resumed == tmp_path / "step-00000002"
+    for step in (5, 6):
+        save_checkpoint(tmp_path, step, stages, opt, keep=1, resumed_from=resumed)
+        assert _names(tmp_path) == ["step-00000002", f"step-{step:08d}"]
+    save_checkpoint(tmp_path, 7, stages, opt, keep=1)  # another run, resumed from step 6
+    assert _names(tmp_path) == ["step-00000007"]
+
+
 def test_loading_into_other_stages_names_both(tmp_path: Path) -> None:
     stages, _, opt = _pipeline()
     save_checkpoint(tmp_path, 1, stages, opt)
@@ -167,6 +201,7 @@ def test_loading_into_other_stages_names_both(tmp_path: Path) -> None:
         ({"stages": {0: "layer"}}, "stage 0 must be an nn.Module, got str"),
         ({"extra": {"data": 3}}, r"extra\['data'\] must be an object with state_dict"),
         ({"keep": 0}, "keep must be None or an int >= 1, got keep=0"),
+        ({"resumed_from": 3}, "resumed_from must be a path or None, got 3"),
         ({"step": -1}, "step must be an int >= 0, got step=-1"),
     ],
 )
@@ -191,11 +226,26 @@ def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:-100])
 
 
+def _unlist(file: Path) -> None:
+    """``file``'s entry removed from the marker, and 64 of its bytes changed: DCP would load
+    the changed values through ``.metadata`` without a word."""
+    marker = file.parent / MARKER
+    info = json.loads(marker.read_text())
+    del info["files"][file.name]
+    marker.write_text(json.dumps(info))
+    _flip(file)
+
+
 DAMAGE = {  # kind: (file, how, what the error says about it)
     "bytes flipped": ("__0_0.distcp", _flip, r"file __0_0\.distcp is corrupt \(CRC-32 "),
     "truncated": ("__0_0.distcp", _truncate, r"file __0_0\.distcp is truncated \(\d+ bytes, "),
     "file deleted": ("__0_0.distcp", Path.unlink, r"file __0_0\.distcp is missing"),
     "metadata deleted": (".metadata", Path.unlink, r"file \.metadata is missing"),
+    "entry removed": (
+        "__0_0.distcp",
+        _unlist,
+        r"file __0_0\.distcp is not listed in graphpipe\.json \(a save lists every file",
+    ),
 }
 
 
@@ -318,31 +368,41 @@ def test_two_ranks_resume_their_own_stages_bit_for_bit(tmp_path: Path) -> None:
     assert writers == {".metadata": 0, "__0_0.distcp": 0, "__1_0.distcp": 1}
 
 
-def _one_ranks_file_damaged(rank: int, world: int, root: str) -> str:
+def _one_ranks_file_damaged(rank: int, world: int, root: str, damage: str) -> dict:
     import torch.distributed as dist
 
     stages = build_stages(CFG, 2 * world, seed=0)
     mine = {rank: stages[rank], 2 * world - 1 - rank: stages[2 * world - 1 - rank]}
     opt = torch.optim.AdamW(unique_parameters(mine.values()), lr=1e-2)
-    path = save_checkpoint(root, 1, mine, opt)
-    if rank == 0:
-        _flip(path / "__1_0.distcp")  # rank 1's file: rank 0 finds its own files intact
+    older = save_checkpoint(root, 1, mine, opt)
+    path = save_checkpoint(root, 2, mine, opt)
+    if rank == 0:  # rank 1's file: rank 0 finds its own files intact
+        DAMAGE[damage][1](path / "__1_0.distcp")
     dist.barrier()
     try:
         load_checkpoint(path, mine, opt)
+        loaded = "loaded"
     except CheckpointError as e:
-        return f"{type(e).__name__}: {e}"
-    return "loaded"
+        loaded = f"{type(e).__name__}: {e}"
+    # The retention: every rank verifies its files of step 2, which does not count.
+    save_checkpoint(root, 3, mine, opt, keep=2)
+    left = sorted(p.name for p in Path(root).iterdir())
+    return {"loaded": loaded, "left": left, "older": str(older)}
 
 
 @pytest.mark.distributed
-def test_every_rank_raises_the_same_error_for_one_ranks_damaged_file(tmp_path: Path) -> None:
-    results = run_ranks(_one_ranks_file_damaged, 2, str(tmp_path), timeout=60)
-    path = checkpoint_path(tmp_path, 1)
-    assert results[0] == results[1]
-    assert results[0].startswith(
-        f"CheckpointError: checkpoint {path}: file __1_0.distcp is corrupt (CRC-32 "
+@pytest.mark.parametrize("damage", ["bytes flipped", "entry removed"])
+def test_every_rank_raises_the_same_error_for_one_ranks_damaged_file(
+    tmp_path: Path, damage: str
+) -> None:
+    results = run_ranks(_one_ranks_file_damaged, 2, str(tmp_path), damage, timeout=60)
+    path = checkpoint_path(tmp_path, 2)
+    says = DAMAGE[damage][2].replace("__0_", "__1_")
+    assert results[0]["loaded"] == results[1]["loaded"]
+    assert re.match(
+        rf"CheckpointError: checkpoint {re.escape(str(path))}: {says}", results[0]["loaded"]
     )
+    assert results[0]["left"] == results[1]["left"] == ["step-00000001", "step-00000003"]
 
 
 def test_checkpoint_info_reads_the_marker_with_the_savers_meta(tmp_path: Path) -> None:

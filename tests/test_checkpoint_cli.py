@@ -95,6 +95,24 @@ def test_resume_falls_back_and_reproduces_the_uninterrupted_losses(saved, tmp_pa
     verify_checkpoint(root / "step-00000004")  # saved again, whole
 
 
+def test_a_fallbacks_retention_keeps_the_checkpoint_it_resumed_from(saved, tmp_path) -> None:
+    # Step 4's entry for rank 1's file removed and the file changed: --resume skips it for
+    # step 2; saving step 5 with --keep-checkpoints 2 does not count step 4 (and deletes it),
+    # so steps 2 and 5 stay, both usable.
+    root = _copy(saved[0], tmp_path)
+    DAMAGE["entry removed"][1](root / "step-00000004" / "__1_0.distcp")
+    proc = _train("--steps", "5", "--checkpoint-dir", str(root), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"skipped {root / 'step-00000004'}: file __1_0.distcp is not listed in graphpipe.json"
+        in proc.stderr
+    )
+    assert f"resumed from {root / 'step-00000002'} (step 2)" in proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000005"]
+    for name in ("step-00000002", "step-00000005"):
+        verify_checkpoint(root / name)
+
+
 def test_resume_with_no_checkpoint_that_verifies_is_an_error(saved, tmp_path, capsys) -> None:
     root = _copy(saved[0], tmp_path)
     for step in ("step-00000002", "step-00000004"):

@@ -152,8 +152,12 @@ def test_graphpipe_export_writes_the_newest_checkpoint_that_verifies(tmp_path, c
     "argv,status,message",
     [
         (["{tmp}/none", "{tmp}/m.pt"], 2, "{tmp}/none: no such directory"),
-        (["{tmp}", "{tmp}/no/m.pt"], 2, "{tmp}/no/m.pt: directory {tmp}/no does not exist"),
-        (["{tmp}", "{tmp}"], 2, "{tmp} is a directory; give a file name"),
+        (
+            ["{tmp}", "{tmp}/no/m.pt"],
+            2,
+            "OUT.pt {tmp}/no/m.pt: directory {tmp}/no does not exist (create it first)",
+        ),
+        (["{tmp}", "{tmp}"], 2, "OUT.pt {tmp}: is a directory; give a file name"),
         (["{tmp}", "{tmp}/m.pt"], 1, "{tmp}: no checkpoint is there (no step-N directory)"),
     ],
 )
@@ -161,6 +165,27 @@ def test_graphpipe_export_errors_are_one_line(tmp_path, capsys, argv, status, me
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert main(["export", *argv]) == status
     assert capsys.readouterr().err == f"graphpipe export: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_graphpipe_export_checks_its_output_before_reading_the_checkpoint(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    import graphpipe.checkpoint
+
+    stages, _, opt = _pipeline()
+    path = save_checkpoint(tmp_path, 1, stages, opt)
+
+    def read(*args: object) -> None:
+        raise AssertionError("the checkpoint was read before the output was checked")
+
+    for name in ("export_state_dict", "find_resumable", "verify_checkpoint"):
+        monkeypatch.setattr(graphpipe.checkpoint, name, read)
+    for target in (path, tmp_path):  # a checkpoint, and a root holding one
+        assert main(["export", str(target), "/proc/x.pt"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("graphpipe export: error: OUT.pt /proc/x.pt: cannot write in "), err
+        assert err.count("\n") == 1
+    assert not Path("/proc/x.pt").exists()
 
 
 # ------------------------------------------------------------------ two gloo ranks

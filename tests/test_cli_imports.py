@@ -84,6 +84,23 @@ def test_help_and_version_import_no_torch(argv: list[str], tmp_path: Path) -> No
         ["bench", "--json", "/nonexistent/dir/b.json"],  # an output path (graphpipe.outputs)
         ["profile", "--out", "/proc/nope/prof"],
         ["train", "--checkpoint-dir", "/proc"],
+        ["export", "/tmp", "/proc/x.pt"],
+        # sizes whose estimated memory is above the machine's (graphpipe.footprint)
+        ["schedule", "--ranks", "2", "--microbatches", "1000000000"],
+        ["schedule", "--ranks", "100000", "--microbatches", "200000"],
+        ["bench", "--ranks", "2", "--microbatches", "1000000000"],
+        [
+            "profile",
+            "--out",
+            "/tmp/x",
+            "--microbatches",
+            "1000000000",
+            "--batch-size",
+            "2000000000",
+        ],
+        ["plan", "--memory-budget", "lots"],
+        ["plan", "--hf", "/no/such/config"],  # a check after parsing
+        ["plan", "--batch-size", "10", "--microbatches", "4"],
     ],
     ids=lambda argv: " ".join(argv) or "(no command)",
 )

@@ -51,6 +51,9 @@ CASES = [
     (["profile", "--out", "/proc/nope/prof"], "--out /proc/nope/prof: directory /proc/nope"),
     (["profile", "--out", "{f}"], "--out {f}: exists and is not a directory"),
     (["profile", "--out", "/proc"], "--out /proc: cannot write in it"),
+    (["export", "{d}", "/proc/x.pt"], "OUT.pt /proc/x.pt: cannot write in directory /proc"),
+    (["export", "{d}", f"{MISSING}/m.pt"], f"OUT.pt {MISSING}/m.pt: directory {MISSING} does not"),
+    (["export", "{d}", "{d}"], "OUT.pt {d}: is a directory; give a file name"),
 ]
 
 

@@ -158,7 +158,7 @@ def test_clip_grad_norm_in_the_captured_step_with_the_optimizer() -> None:
         for a, b in zip(params(es), params(cs)):
             assert torch.equal(a, b), f"step {step}"
     # the clipping is a named instruction at the end of the program
-    assert captured.program.instrs[-1][-1] == "clip_grad_norm"
+    assert captured.program.instrs[-1].name == "clip_grad_norm"
 
 
 @pytest.mark.parametrize(
@@ -215,14 +215,13 @@ def test_call_after_runs_right_after_its_instruction() -> None:
     program = pipe.program
     seen: list[str] = []
     k = 2
-    name = program.instrs[k][4]
-    fn, args = program.instrs[k][2], program.instrs[k][3]
+    fn = program.instrs[k].handler
 
     def spy(*a):
         seen.append("compute")
         fn(*a)
 
-    program.instrs[k] = (*program.instrs[k][:2], spy, args, name)
+    program.instrs[k] = program.instrs[k]._replace(handler=spy)
     program.call_after(k, lambda: seen.append("after"))
     program.call_after(len(program.instrs) - 1, lambda: seen.append("end"))
     x, y = batch(8)

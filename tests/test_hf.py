@@ -44,17 +44,19 @@ LOSS_TOL = dict(rtol=2e-6, atol=1e-7)
 
 def config(kind: str = "llama", *, attn: str = "eager", tied: bool = True, **extra):
     """A tiny random config: 4 decoder layers, hidden 16, vocabulary 64."""
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        attn_implementation=attn,
-        **extra,
+    kw = (
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=tied,
+            attn_implementation=attn,
+        )
+        | extra
     )
     classes = {
         "llama": transformers.LlamaConfig,
@@ -339,17 +341,39 @@ def test_splits_that_cannot_apply_are_refused_naming_why() -> None:
     model = build(config())
     with pytest.raises(ValueError, match=r"num_stages=5 is more than the model's 4 decoder layers"):
         split_hf_causal_lm(model, 5)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    opt = transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2
+        )
+    )
     with pytest.raises(
         ValueError,
-        match=r"GPT2LMHeadModel does not have the layout of a LlamaForCausalLM: model: missing; "
-        r"model\.embed_tokens \(Embedding\): missing; .*\(its children: transformer, lm_head\)",
+        match=r"OPTForCausalLM does not have the layout of a LlamaForCausalLM: "
+        r"model\.embed_tokens \(Embedding\): missing; .*\(its children: model, lm_head\)",
     ):
-        split_hf_causal_lm(gpt2, 1)
-    model.config.model_type = "gemma"  # the same module names, another forward
-    with pytest.raises(ValueError, match=r"config\.model_type='gemma' \(LlamaForCausalLM\)"):
-        split_hf_causal_lm(model, 2)
-    model.config.model_type = "llama"
+        split_hf_causal_lm(opt, 1)
+    moe = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=8,
+        output_router_logits=True,
+    )
+    with pytest.raises(ValueError, match=r"config\.output_router_logits=True: HF adds the router"):
+        split_hf_causal_lm(transformers.AutoModelForCausalLM.from_config(moe), 2)
+    gemma3 = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=8,
+        use_bidirectional_attention=True,
+    )
+    with pytest.raises(ValueError, match=r"config\.use_bidirectional_attention=True"):
+        split_hf_causal_lm(transformers.AutoModelForCausalLM.from_config(gemma3), 2)
     flex = build(config(attn="flex_attention"))
     with pytest.raises(ValueError, match=r"'eager' or 'sdpa', got 'flex_attention'"):
         split_hf_causal_lm(flex, 2)
@@ -357,3 +381,141 @@ def test_splits_that_cannot_apply_are_refused_naming_why() -> None:
     (enable or model.gradient_checkpointing_enable)()
     with pytest.raises(ValueError, match=r"HF gradient checkpointing is on \(layers \[0, 1, 2, 3"):
         split_hf_causal_lm(model, 2)
+
+
+@pytest.mark.parametrize("counts", [[0, 4], [3, 1], [4, 0]])
+def test_a_chosen_split_trains_as_the_unsplit_model(counts) -> None:
+    cfg = config(tied=True)
+    stages = split_hf_causal_lm(build(cfg), 2, layers_per_stage=counts)
+    assert [len(s.layers) for s in stages] == counts
+    assert [s.first_layer for s in stages] == [0, counts[0]]
+    assert unsplit_keys(stages[0]).get("layers.0") == ("model.layers.0" if counts[0] else None)
+    pipe = graphpipe.DualPipeV(
+        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
+    )
+    d = batch()
+    loss = pipe.step(
+        d["ids"],
+        d["labels"],
+        attention_mask=d["mask"],
+        num_items_in_batch=causal_lm_num_items(d["labels"]),
+    )
+    ref_loss, ref_grads = hf_reference(build(cfg), d)
+    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
+    grads = stage_grads(stages)
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=name)
+
+
+def test_a_chosen_split_of_four_stages_gives_the_models_logits() -> None:
+    model = build(config(attn="sdpa"))
+    stages = split_hf_causal_lm(model, 4, layers_per_stage=[0, 2, 2, 0])
+    assert [len(s.layers) for s in stages] == [0, 2, 2, 0]
+    assert [s.is_first for s in stages] == [True, False, False, False]
+    assert [s.is_last for s in stages] == [False, False, False, True]
+    assert unsplit_keys(stages[2])["layers.1"] == "model.layers.3"
+    d = batch()
+    with torch.no_grad():
+        h = d["ids"]
+        for s in stages:
+            h = s(h, attention_mask=d["mask"])
+        assert torch.equal(h, model(d["ids"], attention_mask=d["mask"], use_cache=False).logits)
+
+
+@pytest.mark.parametrize(
+    "counts,message",
+    [
+        ([2, 2], r"layers_per_stage=\[2, 2\] has 2 entries for num_stages=3"),
+        ([1, 1, 1], r"layers_per_stage=\[1, 1, 1\] sums to 3, but the model has 4 decoder"),
+        ([2, 3, -1], r"layers_per_stage=\[2, 3, -1\] has negative counts \(stages \[2\]\)"),
+        ([2, 0, 2], r"layers_per_stage=\[2, 0, 2\] leaves middle stages \[1\] without a decoder"),
+        ([2, 1.0, 1], r"layers_per_stage=\[2, 1.0, 1\] must be a list of ints"),
+        ((2, True, 1), r"layers_per_stage=\(2, True, 1\) must be a list of ints"),
+        (4, r"layers_per_stage=4 must be a list of ints"),
+    ],
+)
+def test_a_chosen_split_that_does_not_fit_is_refused_naming_it(counts, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_hf_causal_lm(build(config()), 3, layers_per_stage=counts)
+
+
+# ------------------------------------------------------------------ families outside the table
+
+UNTESTED = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    pad_token_id=0,
+)
+
+
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("GemmaConfig", dict(head_dim=8)),  # Gemma 1: the scaled embedding is its module's
+        ("Starcoder2Config", dict(sliding_window=4)),  # LayerNorm with biases, every layer slides
+        ("OlmoConfig", dict()),  # norms without parameters: no keys for them
+        (
+            "Qwen2MoeConfig",  # routed experts and a shared one; grouped_mm takes no float64
+            dict(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                experts_implementation="eager",
+            ),
+        ),
+    ],
+)
+def test_a_family_outside_the_table_is_checked_on_a_probe_and_trains_exactly(name, extra) -> None:
+    cfg = getattr(transformers, name)(**UNTESTED, **extra, attn_implementation="eager")
+    assert cfg.model_type not in graphpipe.models.hf.SUPPORTED_MODEL_TYPES
+    stages = split_hf_causal_lm(build(cfg), 2)
+    pipe = graphpipe.DualPipeV(
+        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
+    )
+    d = batch((8, 5, 7, 6))
+    loss = pipe.step(
+        d["ids"],
+        d["labels"],
+        attention_mask=d["mask"],
+        num_items_in_batch=causal_lm_num_items(d["labels"]),
+    )
+    ref_loss, ref_grads = hf_reference(build(cfg), d)
+    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
+    grads = stage_grads(stages)
+    assert set(grads) == set(ref_grads)
+    for key, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[key], **GRAD_TOL, msg=key)
+
+
+class _ScaledLlama(transformers.LlamaModel):
+    """A top model that scales the embedding in its own forward: the stages would not."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        return super().forward(inputs_embeds=self.embed_tokens(input_ids) * 2.0, **kwargs)
+
+
+def test_a_family_whose_forward_differs_is_refused_naming_what_differs() -> None:
+    cohere = transformers.CohereConfig(**UNTESTED, logit_scale=0.5)
+    with pytest.raises(
+        ValueError,
+        match=r"CohereForCausalLM \(config\.model_type='cohere'\) is not one of the tested "
+        r"families .* on a probe of 8 tokens: the logits are not the head's output",
+    ):
+        split_hf_causal_lm(transformers.AutoModelForCausalLM.from_config(cohere), 2)
+    model = build(config())
+    model.model = _ScaledLlama(model.config).double()
+    model.config.model_type = "scaled_llama"
+    with pytest.raises(ValueError, match=r"decoder layer 0's input is not the embedding's output"):
+        split_hf_causal_lm(model, 2)
+    model.config.model_type = "llama"  # a tested family: not probed (its forward is Llama's)
+    assert len(split_hf_causal_lm(model, 2)) == 2
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cohere)
+    with pytest.raises(ValueError, match=r"needs the weights: load them before splitting"):
+        split_hf_causal_lm(meta, 2)

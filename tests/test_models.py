@@ -104,6 +104,36 @@ def test_layers_per_stage(n_layers: int, num_stages: int, expected: list[int]) -
     assert all(c >= 1 for c in counts[1:-1])
 
 
+def test_a_chosen_split_holds_those_layers_and_equals_the_unsplit_model() -> None:
+    cfg = LlamaConfig(n_layers=6, use_kernels=False)
+    stages = build_stages(cfg, 4, layers_per_stage=[0, 4, 2, 0])
+    assert [len(s.layers) for s in stages] == [0, 4, 2, 0]
+    assert [s.first_layer for s in stages] == [0, 0, 4, 6]
+    tokens = _tokens()
+    with torch.no_grad():
+        split = nn.Sequential(*stages)(tokens)
+        whole = build_model(cfg)(tokens)
+    assert torch.equal(split, whole)
+    even = build_stages(cfg, 4)
+    assert [len(s.layers) for s in even] == layers_per_stage(6, 4) == [1, 2, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("counts", "match"),
+    [
+        ([1, 2, 2], r"layers_per_stage=\[1, 2, 2\] has 3 entries, expected one per stage: 4"),
+        ([1, 0, 4, 1], r"middle stage 1 holds no layer"),
+        ([1, 2, 2, 2], r"sums to 7, but the model has 6 layers"),
+        ([1, -1, 5, 1], r"stage 1's count -1 is not a non-negative int"),
+        ([1, 2.0, 2, 1], r"stage 1's count 2.0 is not a non-negative int"),
+        ("1,2,2,1", r"must be a list of 4 ints, got str"),
+    ],
+)
+def test_a_chosen_split_that_does_not_fit_is_refused_naming_it(counts, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_stages(LlamaConfig(n_layers=6, use_kernels=False), 4, layers_per_stage=counts)
+
+
 def test_too_few_layers_raises() -> None:
     with pytest.raises(ValueError, match=r"n_layers=2 .*num_stages=6"):
         layers_per_stage(2, 6)

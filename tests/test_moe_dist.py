@@ -174,6 +174,26 @@ def _pp_dp_ep_case(mesh, factor: float, clip: float | None) -> dict:
     }
 
 
+def _accumulated_case(mesh) -> dict:
+    """Two calls without zeroing (the expert gradients are summed over the expert-dp group of
+    one rank and divided by the dp size: an earlier call's must not be halved)."""
+    import torch.distributed as dist
+
+    from graphpipe.models import dropped_tokens, expert_parallel_groups
+
+    dp = mesh.get_group("dp")
+    experts = expert_parallel_groups(EP, dp)
+    pipe, mine = _pipeline(mesh, 0.5, experts)
+    first = pipe.is_input_rank
+    for seed in (0, 1):
+        x, y = _replica_batch(mesh.get_local_rank("dp"), seed)
+        loss = pipe.step(x if first else None, y if first else None)
+    drops = dropped_tokens(mine)  # over both calls
+    dist.all_reduce(drops)
+    pipe.close()
+    return {"loss": loss, "grads": _named_grads(pipe.stage_ids, mine), "dropped": drops}
+
+
 def _twin_case(mesh, factor: float) -> list[str]:
     """Eager and captured (static replay) pipelines, SGD in between: what differs bitwise."""
     from graphpipe.models import (
@@ -246,6 +266,7 @@ def _rank(rank: int, world: int) -> dict:
         out["ep_in_dp"][factor] = _ep_in_dp_case(rank, factor)
         out["pp_dp_ep"][factor] = _pp_dp_ep_case(mesh, factor, None)
     out["clipped"] = _pp_dp_ep_case(mesh, 0.5, CLIP)
+    out["accumulated"] = _accumulated_case(mesh)
     out["twin"] = _twin_case(mesh, 0.5)
     out["refused"] = _refused(mesh)
     return out
@@ -322,6 +343,22 @@ def test_pp2_dp2_ep2_dualpipev_equals_one_process(results, factor: float) -> Non
         assert case["same_group"]
         assert case["checked"] >= 4  # exchanges in flight while the other micro-batch computed
     assert seen == set(ref[1])
+
+
+def test_pp2_dp2_ep2_accumulates_two_calls_as_their_sum(results) -> None:
+    refs = []
+    for seed in (0, 1):
+        pieces = []
+        for d in range(DP):
+            x, y = _replica_batch(d, seed)
+            pieces += list(zip(x.chunk(M), y.chunk(M)))
+        refs.append(_reference(0.5, pieces, 2 * PP))
+    summed = {key: refs[0][1][key] + refs[1][1][key] for key in refs[0][1]}
+    seen: set = set()
+    for res in results:
+        drops = refs[0][2] + refs[1][2]  # counted over both calls
+        seen |= _compare(res["accumulated"], refs[1][0], summed, drops, ep=EP)
+    assert seen == set(summed)
 
 
 def test_pp2_dp2_ep2_clipping_counts_every_expert_once(results) -> None:

@@ -20,3 +20,17 @@ def test_every_public_name_is_importable_and_in_the_guides_api_section() -> None
 def test_pipeline_errors_are_runtime_errors_and_closed_is_one_of_them() -> None:
     assert issubclass(graphpipe.PipelineError, RuntimeError)
     assert issubclass(graphpipe.PipelineClosed, graphpipe.PipelineError)
+
+
+def test_the_planner_is_public_and_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    for name in ("plan_stages", "LayerCost", "StagePlan", "MemoryBudgetExceeded"):
+        assert name in graphpipe.__all__
+    code = (
+        "import sys, graphpipe; graphpipe.plan_stages; graphpipe.LayerCost; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

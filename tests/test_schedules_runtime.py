@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.compose import csv_schedule
 from tests.pipeline_models import batch, build_stages, mse, params, reference
 from tests.spawn import run_ranks
 
@@ -20,19 +21,8 @@ RTOL = 1e-12
 
 
 def _gpipe_loop_csv(n: int, m: int) -> str:
-    """A looped schedule (rank r runs stages r and r+N) in torch's compute-only CSV: every
-    forward of the lower stage, then of the upper one, then the backwards in reverse; the
-    upper stage's backward split into I and W (W deferred to the very end)."""
-    from graphpipe.ir import Action, Op, format_csv
-
-    rows = {}
-    for r in range(n):
-        lo, hi = r, r + n
-        cells = [Action(lo, Op.F, i) for i in range(m)] + [Action(hi, Op.F, i) for i in range(m)]
-        cells += [Action(hi, Op.I, i) for i in range(m)] + [Action(lo, Op.B, i) for i in range(m)]
-        cells += [Action(hi, Op.W, i) for i in range(m)]
-        rows[r] = cells
-    return format_csv(rows)
+    """A looped schedule in torch's compute-only CSV (``tests.compose.csv_schedule``)."""
+    return csv_schedule(n, m)
 
 
 def _stage_ids(schedule, rank: int, n: int, m: int) -> tuple[int, ...]:

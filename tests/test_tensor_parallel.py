@@ -202,3 +202,43 @@ def test_compiled_tensor_parallel_stages_train_as_the_whole_model_and_say_they_d
         # once (after the first of two steps), naming this rank's stages
         assert len(res["warned"]) == 1
         assert f"stage(s) {list(res['ids'])} deferred no weight gradient" in res["warned"][0]
+
+
+def _accumulate_run(rank: int, world: int) -> dict:
+    """Two calls without zeroing, then the whole gradients of this rank's stages."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphpipe
+
+    mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
+    p = mesh.get_local_rank("pp")
+    stages = _stages()
+    mine = [stages[p], stages[2 * PP - 1 - p]]
+    _parallel(mine, mesh["tp"])
+    pipe = graphpipe.DualPipeV(mine, num_microbatches=4, loss_fn=mse, group=mesh.get_group("pp"))
+    for step in range(2):
+        x, y = batch(8, seed=5 + step)
+        pipe.step(x if p == 0 else None, y if p == 0 else None)
+    ids = pipe.stage_ids
+    grads = {
+        (ids[li], n): q.grad.full_tensor().clone()
+        for li, m in enumerate(mine)
+        for n, q in m.named_parameters()
+    }
+    pipe.close()
+    return grads
+
+
+def test_tensor_parallel_stages_accumulate_two_calls_as_their_sum():
+    results = run_ranks(_accumulate_run, PP * TP)
+    stages = _stages()
+    for step in range(2):  # one process accumulates both backward passes
+        x, y = batch(8, seed=5 + step)
+        h = x
+        for s in stages:
+            h = s(h)
+        mse(h, y).backward()
+    want = {(i, n): q.grad for i, s in enumerate(stages) for n, q in s.named_parameters()}
+    for grads in results:
+        for key, g in grads.items():
+            torch.testing.assert_close(g, want[key], rtol=TOL, atol=TOL, msg=str(key))

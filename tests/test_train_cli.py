@@ -148,6 +148,15 @@ def _main_error(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, st
         (["--steps", "0"], "--steps must be >= 1, got 0"),
         (["--dp", "0"], "--dp must be >= 1, got 0"),
         (
+            ["--layers-per-stage", "1,2,1"],
+            "--layers-per-stage=[1, 2, 1] has 3 entries, expected one per stage: 4",
+        ),
+        (
+            ["--layers", "4", "--layers-per-stage", "1,2,2,1"],
+            "--layers-per-stage=[1, 2, 2, 1] sums to 6, but the model has --layers 4",
+        ),
+        (["--layers-per-stage", "2,0,2,0"], "middle stage 1 holds no layer"),
+        (
             ["--dp", "3"],
             "--batch-size 16 does not split evenly over --dp 3 replicas",
         ),
@@ -185,6 +194,25 @@ def test_a_bad_number_is_argparses_one_line_error(capsys) -> None:
     assert err.strip().splitlines()[-1] == (
         "graphpipe train: error: argument --ranks: invalid int value: 'two'"
     )
+
+
+def test_layers_per_stage_that_are_not_numbers_are_argparses_one_line_error(capsys) -> None:
+    code, err = _main_error(["--layers-per-stage", "1,two,1,0"], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "graphpipe train: error: argument --layers-per-stage: expected whole numbers "
+        "separated by commas (like 2,4,4,2), got '1,two,1,0'"
+    )
+
+
+def test_a_chosen_split_trains_and_is_named_in_the_run_line(tmp_path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    args = [*TINY[:2], *TINY[4:], "--layers-per-stage", "0,3,1,0", "--steps", "2"]
+    proc = _train(*args, "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 ranks x 2 stages, 4 layers (0,3,1,0 per stage), 8 micro-batches" in proc.stderr
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
 def test_the_default_layers_fit_every_rank_count() -> None:

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 from graphpipe._lazy import lazy_attributes
 from graphpipe.cli import positive_int
 from graphpipe.costs import Costs
+from graphpipe.footprint import add_memory_limit_argument
 from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
 
@@ -213,6 +214,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="draw the measured per-rank timeline of one step next to the simulated one (.svg; "
         "its directory must exist)",
     )
+    add_memory_limit_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -235,7 +237,28 @@ def _check(args: argparse.Namespace) -> str | None:
         problem = check_output_file(flag, path) if path else None
         if problem is not None:
             return problem
-    return None
+    return _check_memory(args)
+
+
+_PIPELINES_PER_RANK = 4
+"""Schedules one benchmark rank holds at once: graphpipe eager and replay, torch's
+``ScheduleDualPipeV`` (of the same size), and the simulator's prediction."""
+
+
+def _check_memory(args: argparse.Namespace) -> str | None:
+    """Refuse a size whose schedules would not fit (``graphpipe.footprint``): every local
+    rank holds ``_PIPELINES_PER_RANK`` schedules of every rank's actions."""
+    from graphpipe import footprint
+
+    n = args.ranks
+    m = args.microbatches or 16 * n  # the largest regime default (overhead's)
+    kinds = ["dualpipev"]
+    if args.regime == "synthetic":  # one schedule at a time, and its dataflow ideal
+        kinds = sorted(SCHEDULE_KINDS) if args.schedule == "all" else [args.schedule]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    need = local * _PIPELINES_PER_RANK * max(footprint.runtime_bytes(k, n, m) for k in kinds)
+    what = f"--ranks {n} --microbatches {m}"
+    return footprint.check_memory(what, need, footprint.memory_limit(args.memory_limit))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,28 @@
 """Hugging Face causal LMs split into pipeline stages, and HF's causal-LM loss.
 
-``split_hf_causal_lm(model, num_stages)`` cuts a transformers ``LlamaForCausalLM`` (or a
-Mistral, Qwen2 or Qwen3 one: the same layout, ``model.model.embed_tokens``, ``.layers``,
-``.norm``, ``.rotary_emb`` and ``model.lm_head``, and the same decoder-layer call) into
-``HFCausalLMStage`` modules by decoder layer:
+``split_hf_causal_lm(model, num_stages)`` cuts a transformers causal LM into
+``HFCausalLMStage`` modules by decoder layer. The stages run the model's own modules: the
+Llama layout (``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and
+``model.lm_head``: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 text, Phi-3,
+OLMo 2, Granite) or GPT-2's (``model.transformer.wte``, ``.wpe``, ``.drop``, ``.h``,
+``.ln_f``). What the families' top models do around those modules the stages read from the
+config and the model: Gemma's embedding scale is inside its embedding module, Granite's
+``embedding_multiplier`` and ``logits_scaling``, Gemma's ``final_logit_softcapping``, a
+rotary embedding per attention kind (Gemma 3's rope bases, when the rotary module's
+``forward`` takes ``layer_type``), the sliding window of each layer (``config.layer_types``,
+else every layer when ``config.sliding_window`` is set), GPT-2's learned positions; what
+differs inside a decoder layer (pre/post feed-forward norms, query/key norms, attention
+soft-capping, Granite's residual and attention multipliers, routed experts) is the layer's
+own. The families of ``SUPPORTED_MODEL_TYPES`` are tested against the unsplit model. Another
+``config.model_type`` in one of the two layouts is checked when it is split: the model runs
+once on a probe (two rows of 8 tokens, or past a small sliding window; no gradients, eval
+mode) with hooks on its decoder layers and final norm, and everything its top model hands
+the layers (the embedding's output, each layer's mask, rotary embedding, position ids and any
+other argument, the hidden states between layers) and makes of the last layer's output (the
+logits) must equal, value for value, what the stages compute from the same modules; the
+first that differs is named in the ``ValueError`` (Cohere's ``logit_scale``, a top model that
+scales its embedding). What the probe cannot see (a difference that only shows at other
+lengths or values) is not checked: the tested families are the ones vouched for.
 
 * stage 0 takes int64 ``input_ids`` ``[B, T]`` and returns hidden states ``[B, T, H]``;
 * middle stages map hidden states to hidden states;
@@ -14,11 +33,14 @@ mask) every stage computes for itself, from the shape of its input and the keywo
 ``attention_mask`` and ``position_ids``, which the pipeline hands every stage (they are given
 on every rank and never cross a stage edge). The mask is built with tensor ops only, exactly
 the values HF's ``masking_utils`` builds for eager (0 / ``finfo(dtype).min``, additive) and
-sdpa (bool) attention, but without its host-side shortcuts: HF skips the sdpa mask when no
-token is padded (``fast_all(padding_mask)``, a device-to-host read) and looks for packed
-sequences with a Python branch on tensor values, both of which a captured step cannot do.
-So with an ``attention_mask`` the sdpa stages always pass the mask (HF passes none when
-nothing is padded: the same attention, through another kernel).
+sdpa (bool) attention, but without calling it: its ``create_causal_mask`` (transformers 5)
+looks for packed sequences with a host read (``find_packed_sequence_indices``:
+``(mask[:, -1] == 0).all()`` in a Python ``if`` unless tracing), and its sdpa mask skips
+itself when no token is padded (``_ignore_causal_mask_sdpa``: ``fast_all(padding_mask)``, a
+device-to-host read); a captured step can do neither, and every micro-batch of a captured
+step must take the same path. So the packed form is always built, and with an
+``attention_mask`` the sdpa stages always pass the mask (HF passes none when nothing is
+padded: the same attention, through another kernel).
 
 ``causal_lm_loss`` is HF's ``ForCausalLMLoss`` (labels shifted left, ``ignore_index=-100``,
 logits upcast with ``.float()``), as a ``loss_fn`` for either ``loss_reduction``; with
@@ -31,6 +53,8 @@ else is read off the model's attributes and config.
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +63,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from graphpipe.keymap import set_unsplit_keys
-from graphpipe.models.llama import layers_per_stage
+from graphpipe.models.llama import layers_per_stage as _even_split
 from graphpipe.roles import mark_tied
 
 __all__ = [
@@ -50,21 +74,58 @@ __all__ = [
     "split_hf_causal_lm",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""``config.model_type`` of the models whose decoder stack ``HFCausalLMStage`` reproduces
-(other models with the same module names may scale the embedding or norm differently)."""
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "gpt2",
+)
+"""``config.model_type`` of the models whose decoder stack ``HFCausalLMStage`` reproduces,
+each tested against the unsplit model (other models with the same module names may scale the
+embedding or norm differently in their top model's forward, which the stages do not run)."""
 
 _ATTENTION = ("eager", "sdpa")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_TIE_NAME = "hf.lm_head.weight=model.embed_tokens.weight"
-_LAYOUT = (
-    ("model", None),
-    ("model.embed_tokens", nn.Embedding),
-    ("model.layers", nn.ModuleList),
-    ("model.norm", nn.Module),
-    ("model.rotary_emb", nn.Module),
-    ("lm_head", nn.Linear),
-)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a causal LM keeps the modules the stages are made of, below ``base``."""
+
+    like: str  # the class whose layout this is, for the error
+    base: str
+    embed: str
+    layers: str
+    norm: str
+    rotary: str | None  # rotary position embeddings (computed per stage)
+    positions: str | None = None  # learned position embeddings (added to the tokens')
+    dropout: str | None = None  # the embedding's dropout
+
+    def modules(self) -> tuple[tuple[str, type | None], ...]:
+        kinds = [
+            (self.base, None),
+            (f"{self.base}.{self.embed}", nn.Embedding),
+            (f"{self.base}.{self.layers}", nn.ModuleList),
+            (f"{self.base}.{self.norm}", nn.Module),
+        ]
+        if self.rotary is not None:
+            kinds.append((f"{self.base}.{self.rotary}", nn.Module))
+        if self.positions is not None:
+            kinds.append((f"{self.base}.{self.positions}", nn.Embedding))
+        if self.dropout is not None:
+            kinds.append((f"{self.base}.{self.dropout}", nn.Module))
+        return (*kinds, ("lm_head", nn.Linear))
+
+
+_LLAMA = _Layout("LlamaForCausalLM", "model", "embed_tokens", "layers", "norm", "rotary_emb")
+_GPT2 = _Layout("GPT2LMHeadModel", "transformer", "wte", "h", "ln_f", None, "wpe", "drop")
 
 
 def _attr(obj: Any, dotted: str) -> Any:
@@ -73,22 +134,29 @@ def _attr(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def _check_layout(model: nn.Module) -> None:
-    """The modules the stages are made of: ``ValueError`` naming the missing ones."""
-    name = type(model).__name__
+def _missing(model: nn.Module, layout: _Layout) -> list[str]:
     missing = []
-    for path, kind in _LAYOUT:
+    for path, kind in layout.modules():
         value = _attr(model, path)
         if value is None or (kind is not None and not isinstance(value, kind)):
             got = "missing" if value is None else type(value).__name__
             want = f" ({kind.__name__})" if kind is not None else ""
             missing.append(f"{path}{want}: {got}")
+    return missing
+
+
+def _find_layout(model: nn.Module) -> _Layout:
+    """The layout of ``model`` (Llama's or GPT-2's): ``ValueError`` naming the missing
+    modules of the one it is nearer to."""
+    layout = _GPT2 if hasattr(model, "transformer") and not hasattr(model, "model") else _LLAMA
+    missing = _missing(model, layout)
     if missing:
         children = ", ".join(n for n, _ in model.named_children()) or "none"
         raise ValueError(
-            f"split_hf_causal_lm: {name} does not have the layout of a LlamaForCausalLM: "
-            f"{'; '.join(missing)} (its children: {children})"
+            f"split_hf_causal_lm: {type(model).__name__} does not have the layout of a "
+            f"{layout.like}: {'; '.join(missing)} (its children: {children})"
         )
+    return layout
 
 
 def _layer_types(config: Any, n_layers: int) -> list[str]:
@@ -111,6 +179,23 @@ def _layer_types(config: Any, n_layers: int) -> list[str]:
             f"positive int, got {window!r}"
         )
     return types
+
+
+def _check_config(config: Any) -> None:
+    """What a supported family's config may switch on that the stages do not reproduce."""
+    if getattr(config, "is_causal", True) is False:
+        raise ValueError("split_hf_causal_lm: config.is_causal=False (bidirectional attention)")
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ValueError(
+            "split_hf_causal_lm: config.use_bidirectional_attention=True (bidirectional "
+            "attention): the stages build causal masks only"
+        )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "split_hf_causal_lm: config.output_router_logits=True: HF adds the router's "
+            "auxiliary load-balancing loss (router_aux_loss_coef) to the loss, which the "
+            "stages do not compute; set it False to train on the language-model loss alone"
+        )
 
 
 def _check_attention(config: Any) -> str:
@@ -165,6 +250,15 @@ class HFCausalLMStage(nn.Module):
     tokenizer returns it; ``position_ids``: ``[B, T]`` int (default ``arange(T)``, what HF
     uses when none are given). ``first_layer`` is the global index of ``layers[0]``.
 
+    What the families' top models add around the modules is read from the config: after the
+    embedding ``config.embedding_multiplier`` (Granite), the learned position embeddings
+    ``embed_positions`` and the embedding dropout ``embed_dropout`` (GPT-2); after the head
+    ``config.logits_scaling`` (Granite: the logits divided by it) and
+    ``config.final_logit_softcapping`` (Gemma 2/3: ``tanh(logits / c) * c``). A rotary
+    embedding whose ``forward`` takes ``layer_type`` (Gemma 3: a rope base per attention
+    kind) is computed once per kind of this stage's layers; ``rotary_emb=None`` (GPT-2)
+    passes the layers no ``position_embeddings``.
+
     checkpoint_layers: recompute each decoder layer in the backward
         (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
     """
@@ -176,8 +270,10 @@ class HFCausalLMStage(nn.Module):
         *,
         first_layer: int,
         layer_types: list[str],
-        rotary_emb: nn.Module,
+        rotary_emb: nn.Module | None,
         embed_tokens: nn.Embedding | None = None,
+        embed_positions: nn.Embedding | None = None,
+        embed_dropout: nn.Module | None = None,
         norm: nn.Module | None = None,
         lm_head: nn.Linear | None = None,
         checkpoint_layers: bool = False,
@@ -185,6 +281,8 @@ class HFCausalLMStage(nn.Module):
         super().__init__()
         if (norm is None) != (lm_head is None):
             raise ValueError("the final norm and the head go together")
+        if embed_tokens is None and (embed_positions is not None or embed_dropout is not None):
+            raise ValueError("the position embeddings and the embedding dropout need the embedding")
         if len(layer_types) != len(layers):
             raise ValueError(f"{len(layers)} layers but {len(layer_types)} layer types")
         self.config = config
@@ -192,10 +290,19 @@ class HFCausalLMStage(nn.Module):
         self.layer_types = tuple(layer_types)
         self.checkpoint_layers = checkpoint_layers
         self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.embed_dropout = embed_dropout
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
         self.rotary_emb = rotary_emb  # buffers only, none of them persistent
+        forward = getattr(rotary_emb, "forward", None)
+        self._rope_per_kind = forward is not None and (
+            "layer_type" in inspect.signature(forward).parameters
+        )
+        self._embedding_multiplier = getattr(config, "embedding_multiplier", None)
+        self._logits_scaling = getattr(config, "logits_scaling", None)
+        self._softcap = getattr(config, "final_logit_softcapping", None)
 
     @property
     def is_first(self) -> bool:
@@ -215,8 +322,7 @@ class HFCausalLMStage(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_ids`` or hidden states in; hidden states or logits out."""
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        batch, seq = hidden.shape[:2]
+        batch, seq = x.shape[:2]
         for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
             if t is not None and tuple(t.shape) != (batch, seq):
                 raise ValueError(
@@ -225,22 +331,66 @@ class HFCausalLMStage(nn.Module):
                 )
         positions = position_ids
         if positions is None:
-            positions = torch.arange(seq, device=hidden.device).unsqueeze(0)
-        cos_sin = self.rotary_emb(hidden, positions)
-        masks = self._masks(hidden, attention_mask, position_ids)
-        recompute = self.checkpoint_layers and torch.is_grad_enabled()
-        for layer, kind in zip(self.layers, self.layer_types):
-            kw = dict(
-                attention_mask=masks[kind], position_ids=positions, position_embeddings=cos_sin
-            )
-            if recompute:
-                out = checkpoint(layer, hidden, use_reentrant=False, **kw)
-            else:
-                out = layer(hidden, **kw)
-            hidden = out[0] if isinstance(out, tuple) else out
-        if self.norm is not None and self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
+            positions = torch.arange(seq, device=x.device).unsqueeze(0)
+        hidden = self._embed(x, positions) if self.embed_tokens is not None else x
+        if len(self.layers):
+            kw = self._layer_kwargs(hidden, attention_mask, position_ids, positions)
+            recompute = self.checkpoint_layers and torch.is_grad_enabled()
+            for layer, kind in zip(self.layers, self.layer_types):
+                if recompute:
+                    out = checkpoint(layer, hidden, use_reentrant=False, **kw[kind])
+                else:
+                    out = layer(hidden, **kw[kind])
+                hidden = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            hidden = self._head(hidden)
         return hidden
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first decoder layer's input, as the top model computes it."""
+        hidden = self.embed_tokens(ids)
+        if self._embedding_multiplier is not None:
+            hidden = hidden * self._embedding_multiplier
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions).to(hidden.device)
+        if self.embed_dropout is not None:
+            hidden = self.embed_dropout(hidden)
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the last decoder layer's output, as the top model computes them."""
+        logits = self.lm_head(self.norm(hidden))
+        if self._logits_scaling is not None:
+            logits = logits / self._logits_scaling
+        if self._softcap is not None:
+            logits = logits / self._softcap
+            logits = torch.tanh(logits)
+            logits = logits * self._softcap
+        return logits
+
+    def _layer_kwargs(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+    ) -> dict[str, dict[str, Any]]:
+        """The keyword arguments of a decoder layer of each attention kind of this stage."""
+        kinds = list(dict.fromkeys(self.layer_types))
+        rope: dict[str, Any] = {}
+        if self.rotary_emb is not None and self._rope_per_kind:
+            rope = {kind: self.rotary_emb(hidden, positions, kind) for kind in kinds}
+        elif self.rotary_emb is not None:
+            cos_sin = self.rotary_emb(hidden, positions)
+            rope = dict.fromkeys(kinds, cos_sin)
+        masks = self._masks(hidden, attention_mask, position_ids)
+        out = {}
+        for kind in kinds:
+            kw: dict[str, Any] = dict(attention_mask=masks[kind], position_ids=positions)
+            if self.rotary_emb is not None:
+                kw["position_embeddings"] = rope[kind]
+            out[kind] = kw
+        return out
 
     def _masks(
         self,
@@ -275,11 +425,166 @@ class HFCausalLMStage(nn.Module):
         return f"layers {self.first_layer}..{last - 1}" if self.layers else "no layers"
 
 
+_IGNORED_LAYER_KWARGS = frozenset(
+    {"cache", "past_key_values", "past_key_value", "use_cache", "cache_position"}
+)
+"""Keyword arguments a top model may pass its decoder layers that a step without a KV cache
+does not use (None or False there)."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values (NaN where the other is NaN), tensor by tensor through tuples."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():
+            return bool(((a == b) | (a.isnan() & b.isnan())).all())
+        return torch.equal(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a == b
+
+
+def _probe_length(config: Any) -> int:
+    """The probe's sequence length: 8, or past the smallest sliding window up to 64, within
+    the model's positions."""
+    length = 8
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and 0 < window < 63:
+        length = max(length, window + 2)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    return min(length, limit) if isinstance(limit, int) and limit > 1 else length
+
+
+def _check_untested(model: nn.Module, probe: HFCausalLMStage, model_type: Any) -> None:
+    """For a ``model_type`` outside ``SUPPORTED_MODEL_TYPES``: run the model once (no
+    gradients, eval mode, two rows of ``_probe_length`` tokens, the second right-padded)
+    and check that what its top model hands each decoder layer and makes of the last one's
+    output is what the stages compute, value for value: the embedding's output, each layer's
+    mask, rotary embedding, position ids and other arguments, the hidden states between the
+    layers and the logits. ``ValueError`` naming the first that differs."""
+    name = f"{type(model).__name__} (config.model_type={model_type!r})"
+    weight = probe.embed_tokens.weight
+    if weight.device.type == "meta":
+        raise ValueError(
+            f"split_hf_causal_lm: {name} is not one of the tested families "
+            f"{SUPPORTED_MODEL_TYPES}, whose forward is checked against the stages' on a "
+            "probe, which needs the weights: load them before splitting (not on the meta device)"
+        )
+    seq = _probe_length(model.config)
+    vocab = int(getattr(model.config, "vocab_size", weight.shape[0]))
+    ids = (torch.arange(2 * seq, device=weight.device).reshape(2, seq) * 7 + 1) % vocab
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0  # padding: HF's sdpa gets a mask too, as the stages give one
+    seen: list[tuple[tuple, dict]] = []
+    outs: list[Any] = []
+    norm_in: list[torch.Tensor] = []
+    hooks = []
+    for layer in probe.layers:
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda _m, a, k: seen.append((a, dict(k))), with_kwargs=True
+            )
+        )
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out: outs.append(out)))
+    hooks.append(probe.norm.register_forward_pre_hook(lambda _m, a: norm_in.append(a[0])))
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                logits = model(ids, attention_mask=mask, use_cache=False).logits
+            except Exception as e:  # the model's own forward: anything
+                raise ValueError(
+                    f"split_hf_causal_lm: {name} is not one of the tested families, and its "
+                    f"own forward on a probe of {seq} tokens (to check it against the "
+                    f"stages') raised {type(e).__name__}: {e}"
+                ) from e
+            positions = torch.arange(seq, device=ids.device).unsqueeze(0)
+            first = probe._embed(ids, positions)
+            ours = probe._layer_kwargs(first, mask, None, positions)
+            last = outs[-1][0] if isinstance(outs[-1], tuple) else outs[-1]
+            head = probe._head(last)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.train(mode)
+
+    def refuse(what: str) -> None:
+        raise ValueError(
+            f"split_hf_causal_lm: {name} is not one of the tested families "
+            f"{SUPPORTED_MODEL_TYPES}, and its forward differs from the stages' on a probe of "
+            f"{seq} tokens: {what}"
+        )
+
+    if len(seen) != len(probe.layers):
+        refuse(f"it ran {len(seen)} decoder layer calls for {len(probe.layers)} layers")
+    previous = first
+    for i, ((args, kwargs), out) in enumerate(zip(seen, outs)):
+        hidden = args[0] if args else kwargs.pop("hidden_states", None)
+        if not _same(hidden, previous):
+            what = "the embedding's output" if i == 0 else f"decoder layer {i - 1}'s output"
+            refuse(f"decoder layer {i}'s input is not {what} (the model changes it between)")
+        if any(a is not None for a in args[1:]):
+            refuse(f"it passes decoder layer {i} positional arguments besides the hidden states")
+        expected = ours[probe.layer_types[i]]
+        for key, value in kwargs.items():
+            if key in expected:
+                if not _same(value, expected[key]):
+                    refuse(f"decoder layer {i} gets another {key}")
+            elif key not in _IGNORED_LAYER_KWARGS and value is not None and value is not False:
+                refuse(f"it passes decoder layer {i} {key}, which the stages do not")
+        missing = [k for k in expected if k not in kwargs and expected[k] is not None]
+        if missing:
+            refuse(f"it does not pass decoder layer {i} {', '.join(missing)}")
+        previous = out[0] if isinstance(out, tuple) else out
+    if not norm_in or not _same(norm_in[-1], previous):
+        refuse("the final norm's input is not the last decoder layer's output")
+    if not _same(head, logits):
+        refuse("the logits are not the head's output as the stages compute it")
+
+
+def _check_counts(counts: Any, num_stages: int, n_layers: int) -> list[int]:
+    """``layers_per_stage`` as given: ``ValueError`` naming the value unless it is a list of
+    ``num_stages`` non-negative ints summing to ``n_layers``, every middle stage holding one
+    at least (the first and the last stage may hold only the embedding or the head)."""
+    what = f"split_hf_causal_lm: layers_per_stage={counts!r}"
+    if not isinstance(counts, (list, tuple)) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in counts
+    ):
+        raise ValueError(f"{what} must be a list of ints, one per stage")
+    if len(counts) != num_stages:
+        raise ValueError(f"{what} has {len(counts)} entries for num_stages={num_stages}")
+    negative = [i for i, c in enumerate(counts) if c < 0]
+    if negative:
+        raise ValueError(f"{what} has negative counts (stages {negative})")
+    if sum(counts) != n_layers:
+        raise ValueError(
+            f"{what} sums to {sum(counts)}, but the model has {n_layers} decoder layers"
+        )
+    empty = [i for i, c in enumerate(counts) if c == 0 and 0 < i < num_stages - 1]
+    if empty:
+        raise ValueError(
+            f"{what} leaves middle stages {empty} without a decoder layer (only the first and "
+            "the last stage may hold none besides the embedding or the head)"
+        )
+    return list(counts)
+
+
 def split_hf_causal_lm(
-    model: nn.Module, num_stages: int, *, checkpoint_layers: bool = False
+    model: nn.Module,
+    num_stages: int,
+    *,
+    layers_per_stage: list[int] | None = None,
+    checkpoint_layers: bool = False,
 ) -> list[HFCausalLMStage]:
-    """Split a Hugging Face ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3) into ``num_stages``
-    ``HFCausalLMStage`` modules by decoder layer; they share the model's parameters.
+    """Split a Hugging Face causal LM (a family of ``SUPPORTED_MODEL_TYPES``: Llama,
+    Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, Granite, GPT-2)
+    into ``num_stages`` ``HFCausalLMStage`` modules by decoder layer; they share the model's
+    parameters.
 
     The embedding goes to stage 0, the final norm and the head to the last stage, and the
     decoder layers are spread as evenly as possible: every stage gets
@@ -287,11 +592,18 @@ def split_hf_causal_lm(
     first, then to stage 0, then to the last stage (the first and last stages also hold the
     embedding and the head; ``graphpipe.models.layers_per_stage``).
 
-    Tied embeddings (``lm_head.weight`` is ``model.embed_tokens.weight``, as with
+    layers_per_stage: the number of decoder layers of each stage instead, a list of
+        ``num_stages`` ints summing to the number of decoder layers, in order (a planner's
+        split, or one chosen by hand); every middle stage holds one at least, the first and
+        the last stage may hold none (only the embedding, or only the final norm and head).
+
+    Tied embeddings (``lm_head.weight`` is ``model.embed_tokens.weight``, or GPT-2's
+    ``transformer.wte.weight``, as with
     ``tie_word_embeddings``) stay one Parameter in the stages, and that Parameter is marked
     with ``graphpipe.mark_tied``: on one rank (DualPipeV: stage 0 and the last stage) it is
     simply shared, across ranks (1F1B) each rank's copy is kept equal. Each stage declares
-    its keys in the HF model (``model.layers.{i}``, ...; ``graphpipe.keymap``), so that
+    its keys in the HF model (``model.layers.{i}``, ``transformer.h.{i}``, ...;
+    ``graphpipe.keymap``), so that
     ``graphpipe.checkpoint.export_state_dict`` of a checkpoint loads into the HF model with
     ``load_state_dict(strict=True)`` (then ``save_pretrained``).
 
@@ -299,34 +611,41 @@ def split_hf_causal_lm(
         ``torch.utils.checkpoint``; works with the pipeline's split backward). Leave HF's
         own ``gradient_checkpointing_enable()`` off: it is refused here.
 
+    A ``config.model_type`` outside ``SUPPORTED_MODEL_TYPES`` is checked on a probe first
+    (the module docstring says how; it needs the weights, not the meta device).
+
     Raises ``ValueError`` naming what does not fit: a model without that layout (naming the
-    missing modules), another ``config.model_type``, an attention implementation other than
+    missing modules), another ``config.model_type`` whose forward differs from the stages'
+    on the probe (naming where), a config asking for what the stages do
+    not compute (``output_router_logits=True``: the router's auxiliary loss;
+    ``use_bidirectional_attention=True``), an attention implementation other than
     ``"eager"`` or ``"sdpa"``, attention kinds other than full and sliding-window,
-    ``num_stages`` not in ``1..num_layers``, or HF's gradient checkpointing switched on.
+    ``num_stages`` not in ``1..num_layers`` (without ``layers_per_stage``), a
+    ``layers_per_stage`` that does not fit (naming it), or HF's gradient checkpointing
+    switched on.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"split_hf_causal_lm takes an nn.Module, got {type(model).__name__}")
-    _check_layout(model)
+    layout = _find_layout(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"split_hf_causal_lm: config.model_type={model_type!r} ({type(model).__name__}) "
-            f"is not one whose decoder stack the stages reproduce: {SUPPORTED_MODEL_TYPES}"
-        )
-    if getattr(config, "is_causal", True) is False:
-        raise ValueError("split_hf_causal_lm: config.is_causal=False (bidirectional attention)")
+    _check_config(config)
     _check_attention(config)
-    inner = model.model
-    n_layers = getattr(config, "num_hidden_layers", len(inner.layers))
-    layers = list(inner.layers)[:n_layers]
+    inner = getattr(model, layout.base)
+    all_layers = getattr(inner, layout.layers)
+    n_layers = getattr(config, "num_hidden_layers", len(all_layers))
+    layers = list(all_layers)[:n_layers]
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got num_stages={num_stages!r}")
-    if num_stages > len(layers):
+    if layers_per_stage is not None:
+        counts = _check_counts(layers_per_stage, num_stages, len(layers))
+    elif num_stages > len(layers):
         raise ValueError(
             f"split_hf_causal_lm: num_stages={num_stages} is more than the model's "
             f"{len(layers)} decoder layers (every stage gets at least one)"
         )
+    else:
+        counts = _even_split(len(layers), num_stages)
     on = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
     if on:
         raise ValueError(
@@ -334,30 +653,55 @@ def split_hf_causal_lm(
             "model.gradient_checkpointing_disable() and pass checkpoint_layers=True instead"
         )
     types = _layer_types(config, len(layers))
-    embed, head = inner.embed_tokens, model.lm_head
+    embed, head = getattr(inner, layout.embed), model.lm_head
+    base = layout.base
+
+    def part(name: str | None) -> nn.Module | None:
+        return None if name is None else getattr(inner, name)
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        whole = HFCausalLMStage(
+            config,
+            layers,
+            first_layer=0,
+            layer_types=types,
+            rotary_emb=part(layout.rotary),
+            embed_tokens=embed,
+            embed_positions=part(layout.positions),
+            embed_dropout=part(layout.dropout),
+            norm=part(layout.norm),
+            lm_head=head,
+        )
+        _check_untested(model, whole, model_type)
     if head.weight is embed.weight:
-        mark_tied(embed.weight, _TIE_NAME)
+        mark_tied(embed.weight, f"hf.lm_head.weight={base}.{layout.embed}.weight")
 
     stages: list[HFCausalLMStage] = []
     start = 0
-    for index, count in enumerate(layers_per_stage(len(layers), num_stages)):
+    for index, count in enumerate(counts):
         first, last = index == 0, index == num_stages - 1
         stage = HFCausalLMStage(
             config,
             layers[start : start + count],
             first_layer=start,
             layer_types=types[start : start + count],
-            rotary_emb=inner.rotary_emb,
+            rotary_emb=part(layout.rotary),
             embed_tokens=embed if first else None,
-            norm=inner.norm if last else None,
+            embed_positions=part(layout.positions) if first else None,
+            embed_dropout=part(layout.dropout) if first else None,
+            norm=part(layout.norm) if last else None,
             lm_head=head if last else None,
             checkpoint_layers=checkpoint_layers,
         )
-        keys = {f"layers.{j}": f"model.layers.{start + j}" for j in range(count)}
+        keys = {f"layers.{j}": f"{base}.{layout.layers}.{start + j}" for j in range(count)}
         if first:
-            keys["embed_tokens"] = "model.embed_tokens"
+            keys["embed_tokens"] = f"{base}.{layout.embed}"
+            if layout.positions is not None:
+                keys["embed_positions"] = f"{base}.{layout.positions}"
         if last:
-            keys |= {"norm": "model.norm", "lm_head": "lm_head"}
+            keys |= {"norm": f"{base}.{layout.norm}", "lm_head": "lm_head"}
+        held = stage.state_dict()  # a module without tensors (OLMo's norm) has no keys
+        keys = {k: v for k, v in keys.items() if any(n.startswith(f"{k}.") for n in held)}
         set_unsplit_keys(stage, keys)
         stages.append(stage)
         start += count
@@ -383,7 +727,12 @@ def causal_lm_loss(
     keyword tensor of ``pipe.step`` (split on dim 0 like the batch), a ``[B]`` tensor holding
     that count in every row (``causal_lm_num_items``; its first element is read, on the
     device). With ``loss_reduction="sum"`` the pipeline's loss and gradients are then HF's
-    ``model(input_ids, attention_mask=..., labels=...)`` on the whole batch.
+    ``model(input_ids, attention_mask=..., labels=...)`` on the whole batch; a batch with no
+    valid token at all gives 0 (HF: NaN), an empty micro-batch adds 0.
+
+    Under ``loss_reduction="mean"`` without ``num_items_in_batch`` a micro-batch with no
+    valid token is refused before the step, on every rank, naming it (``check_labels``): its
+    mean would be 0 / 0.
 
     logits: ``[B, T, V]``; labels: int ``[B, T]``.
     """
@@ -396,8 +745,46 @@ def causal_lm_loss(
     total = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
     count = num_items_in_batch
     if isinstance(count, torch.Tensor):
-        count = count.reshape(-1)[0].to(total.device)
-    return total / count
+        # A batch without a valid token counts 0 items: its loss and gradients are 0 (HF's
+        # sum / 0 is NaN). No host synchronization: clamped on the device.
+        return total / count.reshape(-1)[0].to(total.device).clamp(min=1)
+    return total / max(count, 1)
+
+
+def _check_causal_lm_labels(
+    labels: Any,
+    keywords: tuple[str, ...],
+    *,
+    num_microbatches: int,
+    loss_reduction: str,
+    ignore_index: int = -100,
+) -> None:
+    """``causal_lm_loss.check_labels``, run by the pipeline on the loss rank before a step:
+    under ``loss_reduction="mean"`` without ``num_items_in_batch`` every micro-batch needs a
+    valid token (its loss is the mean over them: 0 / 0 otherwise); ``ValueError`` naming the
+    first micro-batch that has none and the remedy. With ``num_items_in_batch`` an empty
+    micro-batch adds 0 and needs no check."""
+    if loss_reduction != "mean" or "num_items_in_batch" in keywords:
+        return
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return
+    valid = (labels[..., 1:] != ignore_index).reshape(num_microbatches, -1).any(dim=1)
+    empty = [i for i, ok in enumerate(valid.tolist()) if not ok]
+    if empty:
+        rows = labels.shape[0] // num_microbatches
+        i = empty[0]
+        raise ValueError(
+            f"micro-batch {i} (rows {i * rows} to {(i + 1) * rows - 1}) has no valid label "
+            f"(every label past the first token is {ignore_index}; {len(empty)} of "
+            f"{num_microbatches} micro-batches are so): under loss_reduction='mean' its loss, "
+            "the mean over its valid tokens, would be 0 / 0 (NaN). Build the pipeline with "
+            "loss_reduction='sum' and pass num_items_in_batch=causal_lm_num_items(labels) "
+            "(then the step is the loss of one process on the whole batch, empty micro-batches "
+            "included), or leave the empty rows out of the batch"
+        )
+
+
+causal_lm_loss.check_labels = _check_causal_lm_labels  # type: ignore[attr-defined]
 
 
 def causal_lm_num_items(

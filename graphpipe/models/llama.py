@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -45,6 +45,9 @@ from torch import nn
 from graphpipe.keymap import set_unsplit_keys
 from graphpipe.models.moe import MoEMLP, reset_dropped_tokens
 from graphpipe.models.overlap import Exchange, Tape, drain, overlapped_pair
+from graphpipe.splits import check_layers_per_stage, layers_per_stage
+
+_even_split = layers_per_stage  # build_stages' keyword of the same name hides it there
 
 __all__ = [
     "LlamaBlock",
@@ -576,31 +579,6 @@ class LlamaMoEStage(LlamaStage):
 # --------------------------------------------------------------------------- building
 
 
-def layers_per_stage(n_layers: int, num_stages: int) -> list[int]:
-    """How many blocks each stage gets: as even as possible, middle stages first.
-
-    Stage 0 also holds the embedding and the last stage the final norm and the head, so when
-    the layers do not divide evenly the spare ones go to the middle stages, then to stage 0,
-    then to the last stage. Every middle stage must get at least one block (a stage with no
-    parameters would be a pure relay), so ``n_layers >= num_stages - 2`` is required; the
-    first and last stages may end up with only the embedding or the head.
-    """
-    _check_positive_int("num_stages", num_stages)
-    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 0:
-        raise ValueError(f"n_layers must be a non-negative int, got n_layers={n_layers!r}")
-    if n_layers < num_stages - 2:
-        raise ValueError(
-            f"n_layers={n_layers} is too few for num_stages={num_stages}: every middle stage "
-            f"needs a block, so n_layers must be >= num_stages - 2 = {num_stages - 2}"
-        )
-    base, spare = divmod(n_layers, num_stages)
-    counts = [base] * num_stages
-    order = [*range(1, num_stages - 1), 0, num_stages - 1]
-    for stage in order[:spare]:
-        counts[stage] += 1
-    return counts
-
-
 @torch.no_grad()
 def _init_parameters(
     embed: nn.Embedding, blocks: list[LlamaBlock], norm: RMSNorm, config: LlamaConfig, seed: int
@@ -649,6 +627,7 @@ def build_stages(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     ep_group: Any = None,
+    layers_per_stage: Sequence[int] | None = None,
 ) -> list[LlamaStage]:
     """Build the model and cut it into ``num_stages`` ``LlamaStage`` modules.
 
@@ -663,10 +642,17 @@ def build_stages(
     Each stage declares which keys of ``build_model`` it holds (``layers.j`` is
     ``layers.{first_layer + j}``; ``graphpipe.keymap.set_unsplit_keys``), so that
     ``graphpipe.checkpoint.export_state_dict`` of a checkpoint loads into ``build_model``.
-    Blocks are spread as ``layers_per_stage`` says; it raises ``ValueError`` when
-    ``config.n_layers < num_stages - 2``.
+    Blocks are spread as ``layers_per_stage`` says: a list of ``num_stages`` counts (stage
+    ``s`` holds the next ``layers_per_stage[s]`` blocks; every middle stage at least one, the
+    first and the last may hold none besides the embedding or the head; ``graphpipe.plan_stages``
+    chooses one from measured costs), or None for the even split of
+    ``graphpipe.models.layers_per_stage``. It raises ``ValueError`` when
+    ``config.n_layers < num_stages - 2``, or naming the counts that do not fit.
     """
-    counts = layers_per_stage(config.n_layers, num_stages)
+    if layers_per_stage is None:
+        counts = _even_split(config.n_layers, num_stages)
+    else:
+        counts = check_layers_per_stage(layers_per_stage, config.n_layers, num_stages)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got seed={seed!r}")
     if config.use_kernels:

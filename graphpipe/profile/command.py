@@ -24,6 +24,7 @@ PROG = "graphpipe profile"
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from graphpipe.footprint import add_memory_limit_argument
     from graphpipe.train.options import add_model_options
 
     p = sub.add_parser(
@@ -79,6 +80,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="analyse this `nsys export --type sqlite` file (NVTX domain 'graphpipe') instead "
         "of running",
     )
+    add_memory_limit_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -106,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         problem = f"--warmup must be >= 0, got {args.warmup}"
     if problem is None and args.clock == "gpu" and args.device != "cuda":
         problem = "--clock gpu needs --device cuda (a CPU run has no GPU clock)"
+    if problem is None:
+        problem = _check_memory(args)
     if problem is not None:
         return _fail(problem)
     clock = args.clock or ("gpu" if args.device == "cuda" else "host")
@@ -153,6 +157,18 @@ def run(args: argparse.Namespace) -> int:
             "it blocked), not when the GPU ran the work; --clock gpu projects them onto it"
         )
     return _write(analysis, out, traces)
+
+
+def _check_memory(args: argparse.Namespace) -> str | None:
+    """Refuse a size whose schedules would not fit (``graphpipe.footprint``): every local
+    rank's pipeline holds every rank's actions, and rank 0 simulates the schedule once more."""
+    from graphpipe import footprint
+
+    n, m = args.ranks, args.microbatches
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", n * args.dp))
+    need = (local + 1) * footprint.runtime_bytes("dualpipev", n, m)
+    what = f"--ranks {n} --microbatches {m}" + (f" --dp {args.dp}" if args.dp > 1 else "")
+    return footprint.check_memory(what, need, footprint.memory_limit(args.memory_limit))
 
 
 def _trace_path(out: Path, rank: int) -> Path:

@@ -7,7 +7,9 @@ those ranks check their part, and all ranks agree, in one all-reduce over the gl
 group, on the batch *signature* (every tensor's shape and dtype), on the dtype of the loss, on
 whether any rank rejected the batch, on which call (``step`` or ``forward``, and its number)
 every rank is in, on a digest of the keyword tensors' names, shapes and dtypes, and on which
-keywords some stage (or ``loss_fn``) takes. A bad batch so raises on every rank, and no rank
+keywords some stage (or ``loss_fn``) takes, on whether the step is inside ``no_sync``; and
+every keyword tensor (and the labels) must have the inputs' rows, since all are split into
+the same micro-batches. A bad batch so raises on every rank, and no rank
 waits for a peer that gave up or called something else; only when the keyword digests differ
 do the ranks exchange their descriptions (through the store) to name the rank and keyword.
 May touch: the control group, the store on that error; nothing else.
@@ -30,7 +32,8 @@ from graphpipe.errors import PipelineError
 from graphpipe.meta import DTYPE_CODE, DTYPES
 
 from .faults import CommFailure
-from .structured import check_count, structure_digest
+from .store import first_line
+from .structured import PerMicrobatch, check_count, structure_digest
 from .tensors import as_tuple
 
 __all__ = ["BatchAgreement", "KwSig", "Signature", "describe_keywords", "keywords_signature"]
@@ -151,6 +154,8 @@ class BatchAgreement:
         call: int,
         device_type: str = "cpu",
         accepts: Callable[[tuple[str, ...]], int] | None = None,
+        sync: bool = True,
+        check_labels: Callable[[Any, tuple[str, ...]], None] | None = None,
     ) -> tuple[Signature, torch.dtype]:
         """The agreed signature and loss dtype of call number ``call`` (``step`` when
         ``train``, else ``forward``); raises on every rank if a rank rejects the batch, the
@@ -160,11 +165,20 @@ class BatchAgreement:
         kwargs: this rank's keyword tensors (every rank passes the same names and shapes).
         accepts: ``accepts(names)``, the bit mask of the sorted ``names`` that this rank's
             stages (or its ``loss_fn``) take.
+        sync: the step reduces its gradients (False inside ``no_sync``): every rank must
+            agree.
+        check_labels: on the loss rank, ``check_labels(labels, keyword names)`` raises
+            ``ValueError`` for labels the loss function cannot take (``loss_fn.check_labels``,
+            as ``graphpipe.models.causal_lm_loss`` has: a micro-batch without a valid token
+            under ``"mean"``).
+
+        A rank that rejects the batch publishes its error's first line in the store, so that
+        every rank's error names it.
         """
         n, f = self.num_ranks, self._flags
         # Filled as a Python list (a torch op per word would cost more than the step's
         # bookkeeping); a tensor only for the all-reduce.
-        vals = [0] * (f + 5 * n)
+        vals = [0] * (f + 6 * n)
         err: Exception | None = None
         kw: KwSig = ()
         try:
@@ -178,6 +192,8 @@ class BatchAgreement:
                 vals[_PART] = len(sig)
                 vals[_PART + 1 : _PART + 1 + len(sig)] = sig
                 vals[2 * _PART] = DTYPE_CODE[loss_dtype] + 1
+                if check_labels is not None:
+                    check_labels(labels, tuple(sorted(kwargs)))
             if kwargs:
                 kw = keywords_signature(kwargs, self.m)
                 if len(kw) > 62:
@@ -188,8 +204,10 @@ class BatchAgreement:
         except (ValueError, TypeError) as e:
             err = e
             vals[f + self.rank] = 1
+            self._publish_rejection(call, e)
         vals[f + n + self.rank] = 1 if train else 2
         vals[f + 2 * n + self.rank] = call
+        vals[f + 5 * n + self.rank] = int(train and not sync)
         if n > 1:
             control = self.groups.control
             buf = torch.tensor(vals, dtype=torch.int64)
@@ -216,12 +234,37 @@ class BatchAgreement:
         rejected = [r for r in range(n) if vals[f + r]]
         if rejected:
             raise PipelineError(
-                f"rank {rejected[0]} rejected this batch (see the error on rank {rejected[0]}); "
+                f"rank {rejected[0]} rejected this batch ({self._rejection(call, rejected[0])}); "
                 "no rank ran the step"
+            )
+        unsynced = vals[f + 5 * n : f + 6 * n]
+        if len(set(unsynced)) > 1:
+            inside = [r for r in range(n) if unsynced[r]]
+            outside = [r for r in range(n) if not unsynced[r]]
+            raise ValueError(
+                f"rank(s) {inside} called step() inside no_sync() and rank(s) {outside} "
+                "outside it: every rank must skip (or run) the gradient reductions together"
             )
         digests = vals[f + 3 * n : f + 4 * n]
         if len(set(digests)) > 1:
             raise ValueError(self._keywords_mismatch(kw, call, digests))
+        rows = vals[4]  # the inputs' part: [count, dtype code, ndim, rows, ...]
+        if train and vals[_PART] and vals[_PART + 4] != rows:
+            raise ValueError(
+                f"labels[0] has {vals[_PART + 4]} rows but the inputs have {rows}: both are "
+                "split on dim 0 into the same micro-batches, so they need the same rows"
+            )
+        for name, descr in kw:
+            if isinstance(kwargs[name], PerMicrobatch):
+                continue  # one value per micro-batch (check_count), not one row per input row
+            for i, d in enumerate(descr):
+                if d[1] != rows:
+                    what = f"keyword tensor {name!r}" + (f"[{i}]" if len(descr) > 1 else "")
+                    raise ValueError(
+                        f"{what} has {d[1]} rows but the inputs have {rows}: a keyword "
+                        "tensor is split on dim 0 into the micro-batches like the inputs, "
+                        "so it needs one row per input row"
+                    )
         if kw:
             taken = 0
             for mask in vals[f + 4 * n : f + 5 * n]:
@@ -240,6 +283,22 @@ class BatchAgreement:
             sig += vals[_PART + 1 : _PART + 1 + n_lab]
             loss_dtype = DTYPES[vals[2 * _PART] - 1]
         return (tuple(sig), kw), loss_dtype
+
+    def _publish_rejection(self, call: int, e: BaseException) -> None:
+        """This rank's reason for rejecting call ``call``, for the other ranks' errors."""
+        store = self.groups.store if self.num_ranks > 1 else None
+        if store is not None:
+            store.set(
+                f"{self.groups.key}/reject/{call}/{self.rank}",
+                f"{type(e).__name__}: {first_line(e)}",
+            )
+
+    def _rejection(self, call: int, rank: int) -> str:
+        """What ``rank`` published when it rejected call ``call`` (it did before the
+        agreement's all-reduce, so it is there when the others read it)."""
+        store = self.groups.store
+        text = store.peek(f"{self.groups.key}/reject/{call}/{rank}") if store is not None else None
+        return text if text else f"see the error on rank {rank}"
 
     def _keywords_mismatch(self, kw: KwSig, call: int, digests: list[int]) -> str:
         """Why the ranks' keyword tensors differ: each rank's description goes through the

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.lower import RECEIVES
+from graphpipe.meta import is_dtensor
 from graphpipe.roles import ExpertGroups, expert_parallel_size
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LOSS_REDUCTIONS",
     "check_arguments",
     "check_capture_optimizer",
+    "check_disjoint_groups",
     "check_expert_groups",
     "check_stages",
     "float_dtype",
@@ -151,3 +153,59 @@ def check_expert_groups(modules: Sequence[nn.Module], expert_groups: Any) -> Any
             f"over {ep}"
         )
     return groups
+
+
+def _stage_mesh_groups(modules: Sequence[nn.Module]) -> list[tuple[str, Any]]:
+    """``(name, group)`` of every dim of every ``DeviceMesh`` the stages' DTensor parameters
+    and buffers live on (tensor parallel, FSDP2), each once."""
+    out: list[tuple[str, Any]] = []
+    seen: set[tuple[int, int]] = set()
+    for li, mod in enumerate(modules):
+        for name, t in [*mod.named_parameters(), *mod.named_buffers()]:
+            if not is_dtensor(t):
+                continue
+            mesh = t.device_mesh
+            names = mesh.mesh_dim_names or tuple(f"dim {d}" for d in range(mesh.ndim))
+            for d in range(mesh.ndim):
+                if (id(mesh), d) in seen:
+                    continue
+                seen.add((id(mesh), d))
+                what = f"the mesh dim {names[d]!r} of local stage {li}'s {name}"
+                out.append((what, mesh.get_group(d)))
+    return out
+
+
+def check_disjoint_groups(
+    modules: Sequence[nn.Module],
+    global_ranks: Sequence[int],
+    rank: int,
+    dp_group: Any,
+    expert_groups: Any,
+) -> None:
+    """Every other process group the pipeline's parts run collectives on (``dp_group``, the
+    expert groups, the mesh dims of DTensor stages: tensor parallel, FSDP2) must hold no
+    rank of this pipeline but this one: a group that overlaps the pipeline group would have
+    two pipeline ranks, busy with different actions, enter one collective, and the step
+    would deadlock. Raises ``ValueError`` naming the group, its ranks and the pipeline's,
+    before any collective (the ranks are read locally)."""
+    pipeline = list(global_ranks)
+    me = pipeline[rank]
+    groups: list[tuple[str, Any]] = [("dp_group", dp_group)]
+    if expert_groups is not None:
+        eg = ExpertGroups(*expert_groups)
+        groups += [("expert_groups.ep_group", eg.ep_group)]
+        groups += [("expert_groups.expert_dp_group", eg.expert_dp_group)]
+    groups += _stage_mesh_groups(modules)
+    for what, group in groups:
+        if group is None:
+            continue
+        members = dist.get_process_group_ranks(group)
+        shared = sorted(set(members) & set(pipeline) - {me})
+        if shared:
+            raise ValueError(
+                f"{what} overlaps the pipeline group: its global ranks {sorted(members)} "
+                f"include pipeline ranks {shared} besides this one (global rank {me}); the "
+                f"pipeline's global ranks are {pipeline}. A group beside the pipeline must "
+                "join one rank of each pipeline, e.g. a DeviceMesh ('pp', 'tp') with "
+                "group=mesh.get_group('pp') and the stages on mesh['tp']"
+            )

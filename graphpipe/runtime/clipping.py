@@ -40,6 +40,7 @@ from torch import nn
 from graphpipe.meta import is_dtensor
 from graphpipe.roles import is_expert
 
+from .accumulation import GradSync
 from .context import RankContext
 from .program import Program
 from .tensors import local_shard
@@ -132,14 +133,24 @@ class GradClipper:
             shares.setdefault(groups, []).append(g)
         return shares
 
-    def in_step(self, program: Program, max_norm: float, norm_type: float) -> None:
+    def in_step(
+        self,
+        program: Program,
+        max_norm: float,
+        norm_type: float,
+        grad_sync: GradSync | None = None,
+    ) -> None:
         """Make every run of the training ``program`` end with ``clip`` (after the
         data-parallel reductions, when there are any): a trailing instruction in a
-        ``clip_grad_norm`` range. The norm of the last step is ``norm``."""
+        ``clip_grad_norm`` range. The norm of the last step is ``norm``. Inside
+        ``no_sync`` (``grad_sync.sync`` false) nothing is clipped: the gradients are this
+        rank's partial sums; the step that reduces them clips the accumulated total."""
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
+        sync = grad_sync if grad_sync is not None else GradSync()
 
         def clip() -> None:
-            self.norm = self.clip(max_norm, norm_type)
+            if sync.sync:
+                self.norm = self.clip(max_norm, norm_type)
 
         program.append(handler=clip, name="clip_grad_norm")
 

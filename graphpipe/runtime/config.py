@@ -177,11 +177,11 @@ def join(
     keys = [f"{key}/join/{r}" for r in range(n)]
     mine = store.compare_set(keys[rank], "", digest)
     if mine != digest:
-        advice = (
-            "build the pipeline on every rank within the timeout"
-            if kind == "construction"
-            else "after a failed call, every rank must call the pipeline again within the timeout"
-        )
+        advice = {
+            "construction": "build the pipeline on every rank within the timeout",
+            "rejoin": "after a failed call, every rank must call the pipeline again within the "
+            "timeout",
+        }.get(kind, f"every member must reach the {kind} within the timeout")
         raise PipelineError(
             f"{mine[len(_GAVE_UP) :]}; this rank ({_name(rank, global_ranks)}) came later: {advice}"
         )
@@ -217,6 +217,24 @@ def join(
     )
 
 
+def refuse(
+    store: JobStore,
+    key: str,
+    rank: int,
+    global_ranks: Sequence[int],
+    exc: BaseException,
+    what: str = "build the pipeline",
+) -> None:
+    """This rank will not join ``key``: it raised ``exc`` first (an argument it refused, a
+    configuration its own checks found wrong). Its join key says so, so that every rank
+    waiting in ``join`` raises at once, naming this rank and its error, instead of waiting
+    for the timeout (a rank that already gave up on this one keeps its mark)."""
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    store.compare_set(
+        f"{key}/join/{rank}", "", f"{_GAVE_UP}{_name(rank, global_ranks)} could not {what}: {text}"
+    )
+
+
 def _give_up(
     store: JobStore,
     key: str,
@@ -229,7 +247,9 @@ def _give_up(
 ) -> None:
     """At the timeout: mark every missing rank as given up and raise naming them (unless
     they all arrived at the last moment)."""
-    what = "join the pipeline" if kind == "construction" else "rejoin the pipeline"
+    what = {"construction": "join the pipeline", "rejoin": "rejoin the pipeline"}.get(
+        kind, f"join the {kind}"
+    )
     missing = []
     for r, k in enumerate(keys):
         if store.check(k):

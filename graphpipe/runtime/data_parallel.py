@@ -71,13 +71,16 @@ from torch import nn
 
 from graphpipe.roles import is_expert
 
+from .accumulation import GradSync, divide_existing
+from .config import join, refuse
 from .context import RankContext
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import store_key
 from .program import Program
+from .store import JobStore
 from .tensors import grad_or_zeros, local_shard
 
-__all__ = ["DataParallel", "check_stage_wrappers"]
+__all__ = ["DataParallel", "check_stage_wrappers", "refuse_setup", "setup_key"]
 
 _CHECK_S = 0.05  # how often a rank waiting on the other replicas looks for a failure notice
 
@@ -121,6 +124,27 @@ def check_stage_wrappers(stages: Sequence[nn.Module], stage_ids: Sequence[int]) 
                     "torch.distributed.fsdp.fully_shard (FSDP2) instead and pass "
                     "dp_group=mesh.get_group('dp')"
                 )
+
+
+def setup_key(dp_ranks: Sequence[int]) -> str:
+    """The store key of one data-parallel setup over the global ``dp_ranks`` (each member
+    takes it once per pipeline it builds with that group, joining or refusing)."""
+    return store_key(dp_ranks, "dp-setup")
+
+
+def refuse_setup(dp_group: Any, exc: BaseException) -> None:
+    """This rank will not take part in the data-parallel setup over ``dp_group`` (its
+    construction failed first, ``exc``): the members waiting in the setup's join raise at
+    once, naming this rank and ``exc``."""
+    if dist.get_world_size(dp_group) < 2:
+        return
+    ranks = dist.get_process_group_ranks(dp_group)
+    key = setup_key(ranks)
+    try:
+        store = JobStore(dist.distributed_c10d._get_default_store())
+        refuse(store, key, dist.get_rank(dp_group), ranks, exc, "build its pipeline")
+    except Exception:  # the store is gone: the members find that out themselves
+        pass
 
 
 class _Bucket:
@@ -185,6 +209,7 @@ class DataParallel:
         expert_groups: Any = None,
         loss_reduction: str = "mean",
         managed: set[int] = frozenset(),
+        grad_sync: GradSync | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("dp_group was given but torch.distributed is not initialized")
@@ -205,6 +230,18 @@ class DataParallel:
             self.faults.replica = dist.get_rank(dp_group)
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
         self.managed = managed  # ids of parameters another part reduces (FSDP2's)
+        self.grad_sync = grad_sync if grad_sync is not None else GradSync()
+        if self.size > 1 and store is not None:  # every member here, or every member told
+            dp_ranks = dist.get_process_group_ranks(dp_group)
+            join(
+                store,
+                setup_key(dp_ranks),
+                dist.get_rank(dp_group),
+                dp_ranks,
+                faults.timeout_s if faults.timeout_s is not None else 300.0,
+                None,
+                kind="data-parallel setup",
+            )
         with faults.outside("the data-parallel setup", "dp_group"):  # a failed collective
             self._check_layout(ctx)
             self._sync_state(ctx.modules)
@@ -233,6 +270,17 @@ class DataParallel:
         self._first: int | None = None
         if self.size == 1:
             return  # nothing to average
+        # What each reduction does to a gradient that is the same on every replica (one
+        # accumulated in an earlier step): alpha = members / divisor (runtime/accumulation).
+        alpha = self.size / self.divisor
+        e_alpha = (dist.get_world_size(self.expert_group) if apart else 0) / self.divisor
+        self._existing = [
+            *((p, alpha) for bs in self.buckets.values() for b in bs for p in b.params),
+            *((p, e_alpha) for bs in self.expert_buckets.values() for b in bs for p in b.params),
+        ]
+        self._existing = [(p, a) for p, a in self._existing if a != 1.0]
+        if self._existing:
+            self.grad_sync.add(program, self.divide_existing)
         for li in sorted(at, key=lambda li: (at[li], li)):
             if self.buckets[li] or self.expert_buckets[li]:
                 self._first = li if self._first is None else self._first
@@ -277,8 +325,16 @@ class DataParallel:
                         dist.broadcast(data, src=esrc, group=edp)
 
     # ------------------------------------------------------------------- step
+    def divide_existing(self) -> None:
+        """The start of a step: the gradients already there, divided by what the reductions
+        will multiply them by (runtime/accumulation.py)."""
+        divide_existing(self._existing, local_shard)
+
     def start(self, li: int) -> None:
-        """Post the reductions of local stage ``li`` (its gradients are final)."""
+        """Post the reductions of local stage ``li`` (its gradients are final); nothing inside
+        ``no_sync``."""
+        if not self.grad_sync.sync:
+            return
         if li == self._first:  # the step's first: forget what a failed step left posted
             self.abandon()
         for b in self.buckets[li]:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from graphpipe.errors import PipelineClosed, PipelineError
 
+from .lifetime import HOLD_S, hold_store
 from .status import Blocked, ProcessStatus
 from .store import JobStore, StoreLost, first_line
 
@@ -152,6 +153,17 @@ class FaultNotices:
         self.store.set(key, text)
         return True
 
+    def mark_read(self, call: int) -> None:
+        """This rank read the notice of call ``call`` (the store's host, when it failed,
+        waits for its peers' marks before its process ends: ``lifetime.hold_store``)."""
+        if self.store is not None:
+            with contextlib.suppress(StoreLost):
+                self.store.add(self._key(call) + "/read", 1)
+
+    def readers(self, call: int) -> int:
+        """How many ranks marked the notice of call ``call`` read."""
+        return self.store.add(self._key(call) + "/read", 0) if self.store is not None else 0
+
     def peek(self, call: int) -> str | None:
         """The notice of call ``call`` if there is one now (no waiting)."""
         if self.store is None:
@@ -235,6 +247,14 @@ class Faults:
         self.status = ProcessStatus(store, self.global_ranks[rank]) if store is not None else None
         timeout = getattr(groups, "timeout", None)
         self.timeout_s = timeout.total_seconds() if timeout is not None else None
+        # This process serves the job's store (global rank 0 of an env:// or tcp:// job):
+        # when it fails, its exit waits for the peers to read its notice (at most hold_s).
+        self.hosts_store = (
+            store is not None
+            and store.host.startswith("global rank 0")
+            and (self.global_ranks[rank] == 0)
+        )
+        self.hold_s = min(self.timeout_s, HOLD_S) if self.timeout_s is not None else HOLD_S
         groups.on_block = self.blocked
 
     def blocked(self, peer: int | None) -> tuple[ProcessStatus, Blocked, JobStore] | None:
@@ -332,6 +352,8 @@ class Faults:
         told = "every other rank raises PipelineError naming it"
         try:
             self.notices.publish(self.call, self.action, exc)
+            if self.hosts_store:  # its exit waits (bounded) until the peers have read it
+                hold_store(self.notices, self.call, len(self.global_ranks) - 1, self.hold_s)
             if self.replicas is not None:  # the pipeline's first notice (maybe another rank's)
                 first = self.notices.read(self.call) or self.notices.text(self.action, exc)
                 self.tell_replicas(first)
@@ -386,6 +408,7 @@ class Faults:
             notices.publish(self.call, self.action, why)
             notice = notices.read(self.call)
         if notice is not None:
+            notices.mark_read(self.call)
             self.tell_replicas(notice)
         self._drop()
         if notice is None:  # a one-rank store-less pipeline cannot get here; be safe anyway

@@ -47,10 +47,11 @@ from typing import Any
 
 from torch import nn
 
+from .accumulation import GradSync
 from .context import RankContext
 from .program import Program
 
-__all__ = ["ShardedStages", "fsdp_modules", "param_groups"]
+__all__ = ["ShardedStages", "check_fsdp", "fsdp_modules", "param_groups"]
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
@@ -102,7 +103,9 @@ class ShardedStages:
         infer: Program,
         loss_reduction: str,
         capture: str | None,
+        grad_sync: GradSync | None = None,
     ) -> None:
+        self.grad_sync = grad_sync if grad_sync is not None else GradSync()
         self.modules = {li: fsdp_modules(m) for li, m in enumerate(ctx.modules)}
         self.roots = {li: _roots(ms) for li, ms in self.modules.items()}
         self.all = [m for ms in self.modules.values() for m in ms]
@@ -110,17 +113,6 @@ class ShardedStages:
         self.started = False
         if not self.all:
             return
-        if capture is not None:
-            eager = [m for m in self.all if _reshards_after_forward(m)]
-            if eager:
-                name = type(eager[0]).__name__
-                raise ValueError(
-                    f"capture={capture!r} with an FSDP2 module ({name}) that reshards after "
-                    "forward: a captured step cannot gather and free the parameters around "
-                    "every micro-batch; shard it with fully_shard(..., "
-                    "reshard_after_forward=False) (the parameters then stay unsharded from "
-                    "the stage's first compute to its last gradient action)"
-                )
         if loss_reduction == "sum":
             for m in self.all:  # the sum over the replicas, not their mean
                 m.set_gradient_divide_factor(1.0)
@@ -148,9 +140,13 @@ class ShardedStages:
         return [m for ms in self.roots.values() for m in ms]
 
     def finish(self, li: int) -> None:
-        """Local stage ``li``'s gradients are final: reduce-scatter them and reshard."""
+        """Local stage ``li``'s gradients are final: reduce-scatter them and reshard. Inside
+        ``no_sync`` nothing: the unsharded gradients go on accumulating (and the parameters
+        stay unsharded) until the step that reduces."""
         from torch.distributed.fsdp import fully_shard
 
+        if not self.grad_sync.sync:
+            return
         for m in self.modules[li]:
             m.set_requires_gradient_sync(True, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
@@ -167,11 +163,28 @@ class ShardedStages:
         for m in self.all:
             m.reshard()
 
-    def check_dp(self, dp_group: Any) -> None:
-        """FSDP stages need ``dp_group`` (the loss is averaged over it)."""
-        if self.all and dp_group is None:
+
+def check_fsdp(modules: Sequence[nn.Module], capture: str | None, dp_group: Any) -> None:
+    """Before the ranks join (no collective): FSDP stages need ``dp_group`` (the loss is
+    averaged over it), and capture needs ``reshard_after_forward=False``; ``ValueError``
+    naming the module otherwise."""
+    mods = [m for stage in modules for m in fsdp_modules(stage)]
+    if not mods:
+        return
+    if dp_group is None:
+        raise ValueError(
+            f"the stages hold FSDP2 modules ({type(mods[0]).__name__}): pass "
+            "dp_group=mesh.get_group('dp'), the group they are sharded over, so that the "
+            "loss is the mean over the replicas"
+        )
+    if capture is not None:
+        eager = [m for m in mods if _reshards_after_forward(m)]
+        if eager:
+            name = type(eager[0]).__name__
             raise ValueError(
-                f"the stages hold FSDP2 modules ({type(self.all[0]).__name__}): pass "
-                "dp_group=mesh.get_group('dp'), the group they are sharded over, so that the "
-                "loss is the mean over the replicas"
+                f"capture={capture!r} with an FSDP2 module ({name}) that reshards after "
+                "forward: a captured step cannot gather and free the parameters around "
+                "every micro-batch; shard it with fully_shard(..., "
+                "reshard_after_forward=False) (the parameters then stay unsharded from "
+                "the stage's first compute to its last gradient action)"
             )

@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
 
-from .config import PipelineConfig, join
+from .config import PipelineConfig, join, refuse
 from .status import WATCH
 from .store import JobStore, first_line
 
-__all__ = ["PatientGroup", "PipelineGroups", "store_key"]
+__all__ = ["PatientGroup", "PipelineGroups", "refuse_to_join", "store_key"]
 
 _created: Counter = Counter()  # keys this process made per (kind, rank set)
 
@@ -58,6 +58,22 @@ def store_key(global_ranks: Sequence[int], kind: str = "") -> str:
     ranks = "_".join(map(str, global_ranks))
     _created[kind, ranks] += 1
     return f"graphpipe/{kind + '/' if kind else ''}{ranks}/{_created[kind, ranks]}"
+
+
+def refuse_to_join(group: Any, exc: BaseException) -> None:
+    """A pipeline over ``group`` that this rank will not build (``exc``, raised by its own
+    checks before the ranks join): its peers, waiting in the join, raise at once naming this
+    rank and ``exc``. Takes the pipeline's key as ``PipelineGroups`` would (the same on every
+    member); a lost store, or one rank alone, leaves nothing to tell."""
+    if group is None or dist.get_world_size(group) < 2:
+        return
+    ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    key = store_key(ranks)
+    try:
+        store = JobStore(dist.distributed_c10d._get_default_store())
+        refuse(store, key, dist.get_rank(group), ranks, exc)
+    except Exception:  # the store is gone: the peers find that out themselves
+        pass
 
 
 def _gloo(store: Any, prefix: str, ranks: Sequence[int], me: int, timeout: datetime.timedelta):

@@ -43,7 +43,7 @@ import ctypes
 import weakref
 from typing import Any
 
-__all__ = ["keep_through_exit", "release_at_exit"]
+__all__ = ["HOLD_S", "hold_store", "keep_through_exit", "release_at_exit", "wait_for_readers"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 _registered = False
@@ -56,6 +56,63 @@ def keep_through_exit(pipeline: Any) -> None:
     if not _registered:
         atexit.register(release_at_exit)
         _registered = True
+
+
+HOLD_S = 30.0
+"""The longest the store's host waits at exit for its peers to read its failure notice."""
+
+_HOLDS: list[tuple[Any, int, int, float]] = []  # (notices, call, readers expected, seconds)
+_hold_registered = False
+
+
+def hold_store(notices: Any, call: int, expected: int, seconds: float) -> None:
+    """This process serves the job's store and published the failure notice of ``call``:
+    before it ends, wait until ``expected`` peers have read it (``notices.readers``), at most
+    ``seconds``, so that their errors name this rank's error instead of a store that is
+    gone."""
+    global _hold_registered
+    if expected < 1:
+        return
+    _HOLDS.append((notices, call, expected, seconds))
+    if not _hold_registered:
+        atexit.register(wait_for_readers)  # registered after release_at_exit: runs first
+        _hold_registered = True
+
+
+def wait_for_readers() -> None:
+    """The exit hook of ``hold_store``: one line on stderr when it has to wait, one when a
+    peer never read the notice."""
+    import sys
+    import time
+
+    for notices, call, expected, seconds in _HOLDS:
+        deadline = time.monotonic() + seconds
+        said = False
+        while True:
+            try:
+                got = notices.readers(call)
+            except Exception:  # the store is gone already: nothing to wait for
+                break
+            if got >= expected:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                print(
+                    f"graphpipe: {got} of {expected} peers read this rank's failure notice of "
+                    f"call {call} within {seconds:g} s; exiting (the store goes with this "
+                    "process)",
+                    file=sys.stderr,
+                )
+                break
+            if not said and now + seconds - 1.0 > deadline:
+                print(
+                    f"graphpipe: this process serves the job's store; waiting up to "
+                    f"{seconds:g} s for {expected - got} peer(s) to read its failure notice",
+                    file=sys.stderr,
+                )
+                said = True
+            time.sleep(0.05)
+    _HOLDS.clear()
 
 
 def release_at_exit() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -28,12 +29,14 @@ from graphpipe.nvtx import Ranges
 from graphpipe.plan import StaticPlan
 from graphpipe.simulate import Costs, resolve_schedule
 
+from .accumulation import GradSync
 from .batch import BatchAgreement, Signature
 from .capture import CaptureDriver
 from .checks import (
     CAPTURE_MODES,
     check_arguments,
     check_capture_optimizer,
+    check_disjoint_groups,
     check_expert_groups,
     check_stages,
     float_dtype,
@@ -42,14 +45,14 @@ from .checks import (
     resolve_receives,
     seconds,
 )
-from .clipping import GradClipper
+from .clipping import GradClipper, check_clip_args
 from .comm import CommEngine
 from .config import pipeline_config
 from .context import RankContext
-from .data_parallel import DataParallel, check_stage_wrappers
+from .data_parallel import DataParallel, check_stage_wrappers, refuse_setup
 from .faults import CommFailure, FaultNotices, Faults
-from .fsdp import ShardedStages
-from .groups import PipelineGroups
+from .fsdp import ShardedStages, check_fsdp
+from .groups import PipelineGroups, refuse_to_join
 from .lifetime import keep_through_exit
 from .loss import LossReducer
 from .program import compile_program
@@ -164,6 +167,66 @@ class Pipeline:
         expert_groups: Any = None,
         loss_reduction: str = "mean",
     ) -> None:
+        self._join_taken = self._dp_join_taken = False
+        try:
+            self._construct(
+                stages,
+                schedule,
+                num_microbatches,
+                loss_fn,
+                group,
+                use_nvtx,
+                per_edge_groups,
+                capture,
+                recapture,
+                capture_optimizer,
+                costs,
+                receives,
+                timeout,
+                dp_group,
+                defer_weight_grads,
+                clip_grad_norm,
+                clip_norm_type,
+                expert_groups,
+                loss_reduction,
+            )
+        except Exception as e:  # the peers waiting in a join are told at once, by name
+            self._refuse_peers(e, group, dp_group)
+            raise
+
+    def _refuse_peers(self, exc: BaseException, group: Any, dp_group: Any) -> None:
+        """This rank failed to construct: the joins it has not taken yet (the pipeline's,
+        the data-parallel setup's) say so, naming ``exc``, so that no peer waits in one for
+        the timeout or goes on to a collective this rank never enters."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if not self._join_taken:
+            refuse_to_join(group if group is not None else dist.group.WORLD, exc)
+        if dp_group is not None and not self._dp_join_taken:
+            refuse_setup(dp_group, exc)
+
+    def _construct(
+        self,
+        stages: Any,
+        schedule: Any,
+        num_microbatches: Any,
+        loss_fn: Any,
+        group: Any,
+        use_nvtx: Any,
+        per_edge_groups: Any,
+        capture: Any,
+        recapture: Any,
+        capture_optimizer: Any,
+        costs: Any,
+        receives: Any,
+        timeout: Any,
+        dp_group: Any,
+        defer_weight_grads: Any,
+        clip_grad_norm: Any,
+        clip_norm_type: Any,
+        expert_groups: Any,
+        loss_reduction: Any,
+    ) -> None:
         check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
         self.loss_reduction = loss_reduction
         distributed = dist.is_available() and dist.is_initialized()
@@ -181,6 +244,12 @@ class Pipeline:
         check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
         self.modules = tuple(stages)
         self.loss_fn = loss_fn
+        check = getattr(loss_fn, "check_labels", None)  # graphpipe.models.causal_lm_loss's
+        self._check_labels = (
+            functools.partial(check, num_microbatches=m, loss_reduction=loss_reduction)
+            if callable(check)
+            else None
+        )
         self.last_stage = self.placement.last_stage
         self.input_rank = self.placement.rank_of(0)
         self.loss_rank = self.placement.rank_of(self.last_stage)
@@ -203,6 +272,10 @@ class Pipeline:
             loss_rank=self.loss_rank,
         )
         self.context = ctx
+        if distributed:  # before any collective: an overlapping group would deadlock a step
+            check_disjoint_groups(
+                self.modules, ctx.global_ranks, self.rank, dp_group, expert_groups
+            )
         split_flags = [[False] * m for _ in self.stage_ids]
         local = {s: i for i, s in enumerate(self.stage_ids)}
         for cell in self.schedule[self.rank]:
@@ -254,6 +327,14 @@ class Pipeline:
                 clip_norm_type=clip_norm_type,
                 costs=costs,
             )
+        # Every check that needs no peer runs before the join: a rank that refuses tells the
+        # others there (``_refuse_peers``), and none of them enters a collective without it.
+        check_expert_groups(self.modules, expert_groups)
+        check_fsdp(self.modules, CAPTURE_MODES[capture], dp_group)
+        check_capture_optimizer(capture_optimizer, capture, self.device)
+        if clip_grad_norm is not None:
+            check_clip_args(clip_grad_norm, clip_norm_type)
+        self._join_taken = True  # PipelineGroups takes the pipeline's key and joins
         self.groups = groups = PipelineGroups(
             self.group if distributed else None,
             edges,
@@ -276,8 +357,11 @@ class Pipeline:
         # Parts that run inside the training step as instructions of its program.
         self.expert_groups = check_expert_groups(self.modules, expert_groups)
         self.capture = CAPTURE_MODES[capture]
-        self.fsdp = ShardedStages(ctx, self.program, self._infer, loss_reduction, self.capture)
-        self.fsdp.check_dp(dp_group)
+        self.grad_sync = grad_sync = GradSync()  # accumulation across calls, no_sync
+        self.fsdp = ShardedStages(
+            ctx, self.program, self._infer, loss_reduction, self.capture, grad_sync
+        )
+        self._dp_join_taken = True  # DataParallel joins its group's setup first
         self.data_parallel = (
             DataParallel(
                 ctx,
@@ -288,16 +372,18 @@ class Pipeline:
                 expert_groups=expert_groups,
                 loss_reduction=loss_reduction,
                 managed=self.fsdp.managed,
+                grad_sync=grad_sync,
             )
             if dp_group is not None
             else None
         )
-        self.tied = TiedWeights(ctx, self.program)  # after the dp reductions, before clipping
+        # after the dp reductions, before clipping
+        self.tied = TiedWeights(ctx, self.program, grad_sync)
         self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
         self._clips = clip_grad_norm is not None
         self._deferral_checked = False  # _check_deferral after the first step
         if self._clips:
-            self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type)
+            self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type, grad_sync)
         self._agreement = BatchAgreement(
             groups, self.rank, n, self.input_rank, self.loss_rank, m, float_dtype(self.modules[0])
         )
@@ -305,7 +391,6 @@ class Pipeline:
         self.loss = LossReducer(ctx, runner, faults, loss_reduction)
         if self.data_parallel is not None:
             self.loss.average = self.data_parallel.average_loss
-        check_capture_optimizer(capture_optimizer, capture, self.device)
         self.optimizer = capture_optimizer
         self._loop = StepLoop(
             ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
@@ -317,7 +402,9 @@ class Pipeline:
         keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
 
     # ------------------------------------------------------------------ steps
-    def step(self, inputs: Any, labels: Any, *, scaler: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(
+        self, inputs: Any, labels: Any, /, *, scaler: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
         """Run one training step; returns the mean loss (0-dim) on every rank.
 
         ``inputs``: on the rank running stage 0, ``labels``: on the rank running the last
@@ -329,13 +416,26 @@ class Pipeline:
         rank with the same names and shapes, split on dim 0 into the micro-batches like the
         inputs and passed to every stage whose ``forward`` takes that keyword (or
         ``**kwargs``), and to ``loss_fn`` when it takes it: a mask or position ids reach every
-        stage without crossing the pipeline. A keyword that nothing takes is an error.
+        stage without crossing the pipeline. A keyword that nothing takes is an error, and so
+        is one whose rows differ from the inputs'. ``inputs`` and ``labels`` are positional,
+        so keyword tensors may take those names; ``scaler`` is this method's own (a tensor
+        passed as ``scaler`` is refused).
+
+        Gradients accumulate across calls: each call adds its own gradients to ``.grad``
+        (the reductions across ranks count an earlier call's gradients once); inside
+        ``no_sync()`` the reductions wait for the first call after it.
 
         With ``capture``, the returned loss of a replayed step is the static loss tensor: it
         aliases graph memory and is overwritten by the next step (clone it to keep it).
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
+        if isinstance(scaler, torch.Tensor):
+            raise ValueError(
+                "scaler= is step()'s GradScaler parameter, and a tensor was passed: a keyword "
+                "tensor cannot be named 'scaler' (nor take the name of another parameter of "
+                "step); rename the stage's (or loss_fn's) forward parameter"
+            )
         if self.capture and scaler is not None:
             raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
         if scaler is not None and self._clips:
@@ -352,6 +452,7 @@ class Pipeline:
             else:
                 self._capture.activate(None)
                 loss = self._loop.train(self.program, sig, inputs, labels, kwargs, scaler).clone()
+            self.grad_sync.end()
         if not self._deferral_checked:
             self._check_deferral()
         return loss
@@ -389,6 +490,8 @@ class Pipeline:
                 faults.call,
                 self.device.type,
                 self._keyword_mask,
+                self.grad_sync.sync,
+                self._check_labels,
             )
         except CommFailure as f:
             raise faults.consequence(f) from f
@@ -410,16 +513,41 @@ class Pipeline:
 
     def _reset(self) -> None:
         """Forget a failed call's state: micro-batches, posted P2P, metadata, plan binding."""
+        self.grad_sync.reset()
         self.runner.drop_state()
         self.engine.abandon()
         self._loop.forget()
         self._capture.activate(None)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without the cross-rank reductions, like
+        ``DistributedDataParallel.no_sync``: the steps inside skip the data-parallel
+        all-reduce (and FSDP2's reduce-scatter, the expert data-parallel sum), the sum of
+        weights tied across ranks and the in-step clipping; each rank's ``.grad`` holds its
+        own unreduced sum. The first step after the block reduces everything the block
+        accumulated, so ``.grad`` then equals the reducing path's (``k`` calls, each
+        reducing). Every rank of the pipeline and every replica must call its steps inside
+        the block together (the pipeline's ranks check it; ``ValueError`` otherwise).
+        Refused with ``capture`` (the captured step reduces)."""
+        if self.capture:
+            raise ValueError(
+                f"no_sync() with capture={self.capture!r}: the captured step always reduces "
+                "its gradients; build the pipeline without capture to accumulate unreduced"
+            )
+        if not self.grad_sync.sync:
+            raise RuntimeError("no_sync() is already active on this pipeline")
+        self.grad_sync.sync = False
+        try:
+            yield
+        finally:
+            self.grad_sync.sync = True
+
     def _keyword_mask(self, names: tuple[str, ...]) -> int:
         return self.runner.keyword_routes(names).mask
 
     @torch.no_grad()
-    def forward(self, inputs: Any, **kwargs: Any) -> Any:
+    def forward(self, inputs: Any, /, **kwargs: Any) -> Any:
         """Forward only (no autograd state kept): the concatenated outputs on the rank that
         runs the last stage, ``None`` elsewhere. Always eager, also on a captured pipeline.
         ``kwargs``: keyword tensors, as for ``step``."""

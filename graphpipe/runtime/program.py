@@ -1,7 +1,7 @@
 """The compiled per-rank program: the lowered schedule bound to handlers and transfers.
 
 ``compile_program`` turns this rank's lowered ``Step``s into a flat list of instructions
-``(posts, waits, handler, args, range name)``:
+(``Instr``: posts, waits, handler, args, range name):
 
 * posts: the transfers this step's batch posts (sends first, then receives, each rank pair's
   transfers in their order on it), as bound ``post`` methods;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from graphpipe.ir import Action, Op, Placement
 from graphpipe.lower import Step, Transfer, comms_needed
@@ -24,9 +25,18 @@ from graphpipe.lower import Step, Transfer, comms_needed
 from .comm import CommEngine, RecvTransfer, SendTransfer
 from .stage import StageRunner
 
-__all__ = ["Program", "compile_program"]
+__all__ = ["Instr", "Program", "compile_program"]
 
-Instr = tuple[tuple[Callable[[], None], ...], tuple[Callable[[], None], ...], object, tuple, str]
+
+class Instr(NamedTuple):
+    """One instruction of a compiled program: run ``posts``, then ``waits``, then
+    ``handler(*args)`` (when not None) in a range called ``name``."""
+
+    posts: tuple[Callable[[], None], ...]
+    waits: tuple[Callable[[], None], ...]
+    handler: Callable[..., None] | None
+    args: tuple
+    name: str
 
 
 @dataclass
@@ -63,13 +73,13 @@ class Program:
         instruction (a trailing one when ``k`` is the last)."""
         if k + 1 == len(self.instrs):
             self.append()
-        posts, waits, handler, args, name = self.instrs[k + 1]
-        self.instrs[k + 1] = ((fn, *posts), waits, handler, args, name)
+        instr = self.instrs[k + 1]
+        self.instrs[k + 1] = instr._replace(posts=(fn, *instr.posts))
 
     def call_first(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` at the start of the step, before the first instruction's posts."""
-        posts, waits, handler, args, name = self.instrs[0]
-        self.instrs[0] = ((fn, *posts), waits, handler, args, name)
+        instr = self.instrs[0]
+        self.instrs[0] = instr._replace(posts=(fn, *instr.posts))
 
     def append(
         self,
@@ -79,7 +89,7 @@ class Program:
         name: str = "",
     ) -> None:
         """Add a trailing instruction: ``waits``, then ``handler(*args)`` in range ``name``."""
-        self.instrs.append(((), tuple(waits), handler, args, name))
+        self.instrs.append(Instr((), tuple(waits), handler, args, name))
 
 
 def _handler(runner: StageRunner, action: Action | None) -> tuple[object, tuple, str]:
@@ -142,5 +152,5 @@ def compile_program(
                     waited.add(id(t))
                     waits.append(t.wait)
         fn, args, name = _handler(runner, step.compute)
-        program.instrs.append((tuple(t.post for t in batch), tuple(waits), fn, args, name))
+        program.instrs.append(Instr(tuple(t.post for t in batch), tuple(waits), fn, args, name))
     return program

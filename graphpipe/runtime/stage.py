@@ -78,11 +78,14 @@ class Routes(NamedTuple):
 NO_KEYWORDS = Routes(0, (), (), ())
 
 
-def _forward_of(module: nn.Module) -> Callable[..., Any]:
-    """The ``forward`` whose parameters say which keywords a stage takes: a module compiled
-    with ``torch.compile(module)`` forwards every keyword to the module it wraps
-    (``_orig_mod``, torch's attribute for it)."""
-    return getattr(module, "_orig_mod", module).forward
+def _forward_of(fn: Any) -> Callable[..., Any]:
+    """The function whose parameters say which keywords a stage (or ``loss_fn``) takes: a
+    module's ``forward`` (its ``__call__`` takes ``**kwargs``), a module compiled with
+    ``torch.compile(module)`` forwarding every keyword to the module it wraps (``_orig_mod``,
+    torch's attribute for it); any other callable itself."""
+    if isinstance(fn, nn.Module):
+        return getattr(fn, "_orig_mod", fn).forward
+    return fn
 
 
 def _taken(fn: Callable[..., Any], names: tuple[str, ...]) -> tuple[str, ...]:
@@ -415,7 +418,7 @@ class StageRunner:
         routes = self._routes.get(names)
         if routes is None:
             stages = tuple(_taken(_forward_of(m), names) for m in self.modules)
-            loss = _taken(self.loss_fn, names) if self.last_stage in self.local else ()
+            loss = _taken(_forward_of(self.loss_fn), names) if self.last_stage in self.local else ()
             used = {*loss, *(k for ks in stages for k in ks)}
             mask = sum(1 << i for i, k in enumerate(names) if k in used)
             routes = Routes(mask, stages, loss, tuple(k for k in names if k in used))

@@ -69,6 +69,9 @@ def store_host(store: Any) -> str:
     if isinstance(base, dist.FileStore):
         return "the FileStore's file system"
     where = f" at {base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
+    launcher = os.environ.get("GRAPHPIPE_STORE_HOST")  # graphpipe.launch serves it
+    if launcher:
+        return f"{launcher} (the TCPStore server{where})"
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return f"the torchrun agent of the first node (the TCPStore server{where})"
     method = getattr(dist.distributed_c10d, "_default_pg_init_method", None)

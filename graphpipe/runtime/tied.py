@@ -35,6 +35,7 @@ from torch import nn
 
 from graphpipe.roles import tied_name
 
+from .accumulation import GradSync
 from .context import RankContext
 from .faults import CommFailure
 from .program import Program
@@ -46,10 +47,12 @@ __all__ = ["TiedWeights"]
 class _HolderSet:
     """The tie names held by one set of ranks, and this rank's copies of them."""
 
-    __slots__ = ("flat", "group", "names", "params")
+    __slots__ = ("flat", "group", "names", "params", "size")
 
-    def __init__(self, names: list[str], params: list[list[nn.Parameter]], group: Any) -> None:
-        self.names, self.params, self.group = names, params, group
+    def __init__(
+        self, names: list[str], params: list[list[nn.Parameter]], group: Any, size: int
+    ) -> None:
+        self.names, self.params, self.group, self.size = names, params, group, size
         self.flat: torch.Tensor | None = None
 
 
@@ -58,7 +61,10 @@ class TiedWeights:
 
     name = "tied grads"
 
-    def __init__(self, ctx: RankContext, program: Program) -> None:
+    def __init__(
+        self, ctx: RankContext, program: Program, grad_sync: GradSync | None = None
+    ) -> None:
+        self.grad_sync = grad_sync if grad_sync is not None else GradSync()
         local: dict[str, list[nn.Parameter]] = {}
         for p in ctx.parameters():
             name = tied_name(p)
@@ -85,11 +91,12 @@ class TiedWeights:
                 self.counted_elsewhere |= {id(p) for ps in params for p in ps}
             for ps in params:  # several local copies of one name: the first counts
                 self.counted_elsewhere |= {id(p) for p in ps[1:]}
-            hs = _HolderSet(names, params, group)
+            hs = _HolderSet(names, params, group, len(ranks))
             self._start_equal(hs, ctx.global_ranks[ranks[0]])
             self.sets.append(hs)
         if self.sets:
             program.append(handler=self.reduce, name=self.name)
+            self.grad_sync.add(program, self.divide_existing)
 
     @staticmethod
     def _gather(ctx: RankContext, mine: Sequence[str]) -> dict[str, list[int]] | None:
@@ -121,8 +128,25 @@ class TiedWeights:
                 for p in ps[1:]:
                     p.data.copy_(ps[0].data)
 
+    def divide_existing(self) -> None:
+        """The start of a step: a gradient already there (every copy holds the same sum) is
+        divided by the number of holder ranks, and the other local copies of a name start at
+        zero, so that the sum adds this step's gradients only (runtime/accumulation.py)."""
+        with torch.no_grad():
+            for hs in self.sets:
+                for ps in hs.params:
+                    g = ps[0].grad
+                    if g is not None and hs.size > 1:
+                        g.div_(hs.size)
+                    for p in ps[1:]:
+                        if p.grad is not None:
+                            p.grad.zero_()
+
     def reduce(self) -> None:
-        """Sum each name's gradients over its copies and write the sum into every copy."""
+        """Sum each name's gradients over its copies and write the sum into every copy
+        (nothing inside ``no_sync``)."""
+        if not self.grad_sync.sync:
+            return
         for hs in self.sets:
             grads = []
             for ps in hs.params:

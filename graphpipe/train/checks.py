@@ -14,6 +14,7 @@ import math
 import os
 
 from graphpipe.outputs import check_output_dir, check_output_file
+from graphpipe.splits import check_layers_per_stage, layers_per_stage
 
 from .options import default_layers, default_microbatches
 from .resume import find_resume
@@ -54,7 +55,9 @@ def check_model(args: argparse.Namespace) -> str | None:
     """The first problem with the model, data and device options, as a one-line message
     (None when fine); ``graphpipe profile`` uses it too.
 
-    Fills in the defaults that depend on others (``microbatches``, ``layers``).
+    Fills in the defaults that depend on others (``microbatches``, ``layers`` (the sum of
+    ``--layers-per-stage`` when only that is given), ``layers_per_stage`` (the even split when
+    not given)).
     """
     for name in ("ranks", "batch_size", "seq_len", "hidden", "heads"):
         if getattr(args, name) < 1:
@@ -82,12 +85,21 @@ def check_model(args: argparse.Namespace) -> str | None:
         return f"--microbatches must be >= 2 * --ranks = {2 * n}, got {m}"
     if args.batch_size % (dp * m):
         return f"--batch-size {args.batch_size} does not split into {m} equal micro-batches{per}"
+    chosen = getattr(args, "layers_per_stage", None)
+    if chosen is not None and args.layers is None:
+        args.layers = sum(chosen)
     layers = args.layers if args.layers is not None else default_layers(n)
     if layers < 2 * n - 2:
         return (
             f"--layers {layers} is too few for --ranks {n}: every middle stage of the {2 * n} "
             f"stages needs a layer, so --layers must be >= {2 * n - 2}"
         )
+    try:
+        counts = layers_per_stage(layers, 2 * n)
+        if chosen is not None:
+            counts = check_layers_per_stage(chosen, layers, 2 * n, name="--layers-per-stage")
+    except ValueError as e:
+        return str(e).replace(f"{layers} layers", f"--layers {layers}")
     if args.hidden % args.heads:
         return f"--hidden {args.hidden} is not a multiple of --heads {args.heads}"
     if (args.hidden // args.heads) % 2:
@@ -100,7 +112,7 @@ def check_model(args: argparse.Namespace) -> str | None:
     problem = _check_data(args) or _check_device(args) or _check_moe(args)
     if problem is not None:
         return problem
-    args.microbatches, args.layers = m, layers
+    args.microbatches, args.layers, args.layers_per_stage = m, layers, counts
     return None
 
 
@@ -148,17 +160,22 @@ def check_train(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         return f"--checkpoint-every must be >= 1, got {args.checkpoint_every}"
-    problem = check_model(args)
-    if problem is not None:
-        return problem
+    # The outputs first: nothing (--data, a checkpoint to resume from) is read before them.
     if args.metrics is not None:
         problem = check_output_file("--metrics", args.metrics)
         if problem is not None:
             return problem
+    if args.checkpoint_dir is not None:
+        problem = check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        if problem is not None:
+            return problem
+    problem = check_model(args)
+    if problem is not None:
+        return problem
     if args.checkpoint_dir is None:
         if args.checkpoint_every is not None:
             return "--checkpoint-every needs --checkpoint-dir"
         if args.resume:
             return "--resume needs --checkpoint-dir"
         return None
-    return check_output_dir("--checkpoint-dir", args.checkpoint_dir) or find_resume(args)
+    return find_resume(args)

@@ -71,7 +71,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=int,
         default=2,
         metavar="K",
-        help="keep the newest K checkpoints in --checkpoint-dir (default 2)",
+        help="keep the newest K checkpoints in --checkpoint-dir whose files verify, and the "
+        "one the run resumed from (default 2)",
     )
     p.add_argument(
         "--allow-nonfinite",

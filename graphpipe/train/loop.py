@@ -130,7 +130,14 @@ def build_rank(
         use_kernels=not opts["no_kernels"],
         **_moe_config(opts),
     )
-    stages = build_stages(cfg, 2 * n, seed=opts["seed"], device=device, ep_group=ep_group)
+    stages = build_stages(
+        cfg,
+        2 * n,
+        seed=opts["seed"],
+        device=device,
+        ep_group=ep_group,
+        layers_per_stage=opts.get("layers_per_stage"),
+    )
     mine = {p: stages[p], 2 * n - 1 - p: stages[2 * n - 1 - p]}
     loss_fn = LlamaLoss(cfg.use_kernels)
     capture = False if opts["capture"] == "none" else opts["capture"]
@@ -150,13 +157,24 @@ def build_rank(
         print(
             f"{prog}: {n} ranks x 2 stages"
             + (f" x {dp} replicas" if dp > 1 else "")
-            + f", {opts['layers']} layers, {opts['microbatches']} micro-batches, "
+            + f", {opts['layers']} layers{_split_note(opts)}, {opts['microbatches']} "
+            "micro-batches, "
             f"{num_parameters(stages):,} parameters, {len(data):,} bytes of "
             f"{opts['data'] or 'Python stdlib source'}, device {device.type}",
             file=sys.stderr,
             flush=True,
         )
     return RankRun(pipe, opt, loader, opts, device, stages=mine, share=(d, dp))
+
+
+def _split_note(opts: dict) -> str:
+    """`` (2,4,4,2 per stage)`` for a chosen split that is not the even one, else nothing."""
+    from graphpipe.splits import layers_per_stage
+
+    counts = opts.get("layers_per_stage")
+    if counts is None or list(counts) == layers_per_stage(opts["layers"], len(counts)):
+        return ""
+    return f" ({','.join(map(str, counts))} per stage)"
 
 
 def _expert_groups(opts: dict, groups: dict) -> Any:
@@ -266,6 +284,7 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
                     extra=extra,
                     keep=opts["keep_checkpoints"],
                     meta=meta,
+                    resumed_from=opts["resume_from"],
                 )
             if progress is not None:
                 progress.update(

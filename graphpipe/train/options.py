@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_model_options", "default_layers", "default_microbatches"]
+__all__ = ["add_model_options", "default_layers", "default_microbatches", "layer_counts"]
 
 
 def default_microbatches(ranks: int, batch_size: int) -> int | None:
@@ -23,6 +23,17 @@ def default_microbatches(ranks: int, batch_size: int) -> int | None:
 def default_layers(ranks: int) -> int:
     """The default ``--layers``: 4, or enough for every middle stage of 2N stages to get one."""
     return max(4, 2 * ranks - 2)
+
+
+def layer_counts(text: str) -> list[int]:
+    """``--layers-per-stage 2,4,4,2``: whole numbers separated by commas (the argparse type;
+    ``checks`` holds them against the stages and ``--layers``)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers separated by commas (like 2,4,4,2), got {text!r}"
+        ) from None
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -64,7 +75,17 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="decoder layers, at least 2N-2 so that every middle stage gets one "
-        "(default max(4, 2N-2): 4 for N <= 3)",
+        "(default max(4, 2N-2): 4 for N <= 3, or the sum of --layers-per-stage)",
+    )
+    p.add_argument(
+        "--layers-per-stage",
+        type=layer_counts,
+        default=None,
+        metavar="C0,C1,...",
+        help="decoder layers of each of the 2N stages, in stage order (stage 0 holds the "
+        "embedding, stage 2N-1 the head; under DualPipeV rank r holds stages r and 2N-1-r): "
+        "every middle stage at least one, the first and last may hold none; `graphpipe plan` "
+        "suggests one (default: as even as possible)",
     )
     p.add_argument(
         "--heads",

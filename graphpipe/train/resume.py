@@ -23,6 +23,7 @@ _RESUME_MUST_MATCH = (
     "seq_len",
     "hidden",
     "layers",
+    "layers_per_stage",
     "heads",
     "microbatches",
     "seed",

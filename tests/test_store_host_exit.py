@@ -1,0 +1,100 @@
+"""The store's host fails and exits at once: its peers' errors still name its error.
+
+Global rank 0 of an ``env://`` job serves the job's TCPStore. When its loss function raises
+and the exception ends its process, the store would go with it before the peer read the
+failure notice (the peer's error then said only that the store is unreachable). Its exit
+waits, at most ``lifetime.HOLD_S`` (or the pipeline's timeout), until the peers have read the
+notice. Two plain processes (``python script.py``, as a user starts them), not the test pool:
+the exit is the point.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.spawn import free_port
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    import graphpipe
+    from tests.pipeline_models import batch, build_stages, local_stages, mse
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    calls = {"n": 0}
+
+    def loss_fn(out, y):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second micro-batch of the first step
+            raise ValueError("injected loss fault")
+        return mse(out, y)
+
+    mine = local_stages(build_stages(4), rank, 2)
+    if rank == 1:  # busy in a compute when rank 0 fails: it finds out after rank 0 exited
+        import time
+
+        real = mine[0].forward
+        forwards = {"n": 0}
+
+        def slow(*args):
+            forwards["n"] += 1
+            if forwards["n"] == 3:
+                time.sleep(3.0)
+            return real(*args)
+
+        mine[0].forward = slow
+    pipe = graphpipe.DualPipeV(mine, num_microbatches=4, loss_fn=loss_fn, timeout=60.0)
+    for step in range(2):
+        x, y = batch(8, seed=step)
+        try:
+            pipe.step(x if rank == 0 else None, y if rank == 0 else None)
+        except graphpipe.PipelineError as e:
+            print("PEER-ERROR:", str(e).splitlines()[0], flush=True)
+            sys.exit(3)
+    print("no error", flush=True)
+    """
+)
+
+
+def test_the_store_hosts_exit_waits_until_its_peer_read_its_error(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=root,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=180) for p in procs]
+    # rank 0's own exception ends its process (exit status 1, the traceback on stderr)
+    assert procs[0].returncode == 1, outs[0]
+    assert "ValueError: injected loss fault" in outs[0][1]
+    # rank 1 read the notice before the store went: its error names rank 0's error
+    assert procs[1].returncode == 3, outs[1]
+    assert "PEER-ERROR: the step failed on rank 0 at" in outs[1][0], outs[1]
+    assert "ValueError: injected loss fault" in outs[1][0], outs[1]
