@@ -73,13 +73,11 @@ class Program:
         instruction (a trailing one when ``k`` is the last)."""
         if k + 1 == len(self.instrs):
             self.append()
-        instr = self.instrs[k + 1]
-        self.instrs[k + 1] = instr._replace(posts=(fn, *instr.posts))
+        self.instrs[k + 1] = _prefixed(self.instrs[k + 1], fn)
 
     def call_first(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` at the start of the step, before the first instruction's posts."""
-        instr = self.instrs[0]
-        self.instrs[0] = instr._replace(posts=(fn, *instr.posts))
+        self.instrs[0] = _prefixed(self.instrs[0], fn)
 
     def append(
         self,
@@ -90,6 +88,11 @@ class Program:
     ) -> None:
         """Add a trailing instruction: ``waits``, then ``handler(*args)`` in range ``name``."""
         self.instrs.append(Instr((), tuple(waits), handler, args, name))
+
+
+def _prefixed(instr: Instr, fn: Callable[[], None]) -> Instr:
+    """``instr`` with ``fn`` as its first post."""
+    return Instr((fn, *instr.posts), instr.waits, instr.handler, instr.args, instr.name)
 
 
 def _handler(runner: StageRunner, action: Action | None) -> tuple[object, tuple, str]:
