@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .ir import Action, Op, load_csv
     from .planner import LayerCost, MemoryBudgetExceeded, StagePlan, plan_stages
     from .roles import mark_expert, mark_tied
-    from .runtime import DualPipeV, Pipeline, clip_grad_norm_
+    from .runtime import DualPipeV, PerMicrobatch, Pipeline, clip_grad_norm_
     from .schedules import dualpipev
     from .simulate import Costs
     from .weightgrad import no_defer
@@ -27,6 +27,7 @@ __all__ = [
     "LayerCost",
     "MemoryBudgetExceeded",
     "Op",
+    "PerMicrobatch",
     "Pipeline",
     "PipelineClosed",
     "PipelineError",
@@ -50,6 +51,7 @@ __getattr__, __dir__ = lazy_attributes(
         "LayerCost": ".planner",
         "MemoryBudgetExceeded": ".planner",
         "Op": ".ir",
+        "PerMicrobatch": ".runtime",
         "Pipeline": ".runtime",
         "PipelineClosed": ".errors",
         "PipelineError": ".errors",

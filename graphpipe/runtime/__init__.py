@@ -21,6 +21,7 @@ groups          process groups: one per directed rank pair on NCCL, the gloo con
 lifetime        live pipelines at exit: closed, their gloo groups released, no abort
 stage           the stage runner: F / I / B / W / overlap handlers, per-micro-batch state
 batch           agreement on each batch across ranks
+structured      keyword values given per micro-batch, of any structure (``PerMicrobatch``)
 tensors         a value as a tuple of tensors, a batch split into micro-batches
 capture         warmup record -> static plan -> static step / CUDA graphs -> replay
 data_parallel   gradient and loss averaging over the data-parallel replicas, in the step
@@ -31,5 +32,6 @@ clipping        gradient clipping by the global norm across pipeline ranks, in t
 """
 
 from .pipeline import DualPipeV, Pipeline, clip_grad_norm_
+from .structured import PerMicrobatch
 
-__all__ = ["DualPipeV", "Pipeline", "clip_grad_norm_"]
+__all__ = ["DualPipeV", "PerMicrobatch", "Pipeline", "clip_grad_norm_"]

@@ -33,6 +33,7 @@ from graphpipe.meta import DTYPE_CODE, DTYPES
 
 from .faults import CommFailure
 from .store import first_line
+from .structured import PerMicrobatch, check_count, structure_digest
 from .tensors import as_tuple
 
 __all__ = ["BatchAgreement", "KwSig", "Signature", "describe_keywords", "keywords_signature"]
@@ -80,6 +81,7 @@ def keywords_signature(kwargs: Mapping[str, Any], m: int) -> KwSig:
     out = []
     for name in sorted(kwargs):
         ts = as_tuple(kwargs[name], f"keyword tensor {name!r}")
+        check_count(name, kwargs[name], m)  # a PerMicrobatch: one value per micro-batch
         descr = []
         for i, t in enumerate(ts):
             what = f"keyword tensor {name!r}" + (f"[{i}]" if len(ts) > 1 else "")
@@ -99,9 +101,11 @@ def describe_keywords(sig: KwSig) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
-def _digest(sig: KwSig) -> int:
-    """A 56-bit digest of a keywords signature, the same in every process (no salted hash)."""
-    return int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "big")
+def _digest(sig: KwSig, structures: str = "") -> int:
+    """A 56-bit digest of a keywords signature (and of the structures of its
+    ``PerMicrobatch`` values), the same in every process (no salted hash)."""
+    text = repr(sig) + structures
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
 class BatchAgreement:
@@ -194,7 +198,7 @@ class BatchAgreement:
                 kw = keywords_signature(kwargs, self.m)
                 if len(kw) > 62:
                     raise ValueError(f"{len(kw)} keyword tensors: at most 62 per call")
-                vals[f + 3 * n + self.rank] = _digest(kw)
+                vals[f + 3 * n + self.rank] = _digest(kw, structure_digest(kwargs))
                 if accepts is not None:
                     vals[f + 4 * n + self.rank] = accepts(tuple(name for name, _ in kw))
         except (ValueError, TypeError) as e:
@@ -251,6 +255,8 @@ class BatchAgreement:
                 "split on dim 0 into the same micro-batches, so they need the same rows"
             )
         for name, descr in kw:
+            if isinstance(kwargs[name], PerMicrobatch):
+                continue  # one value per micro-batch (check_count), not one row per input row
             for i, d in enumerate(descr):
                 if d[1] != rows:
                     what = f"keyword tensor {name!r}" + (f"[{i}]" if len(descr) > 1 else "")
@@ -311,7 +317,13 @@ class BatchAgreement:
         sigs = [_eval_signature(text) for text in store.multi_get(keys)]
         first = next(r for r in range(self.num_ranks) if digests[r] != digests[0])
         ref, other = dict(sigs[0]), dict(sigs[first])
-        name = next(k for k in sorted(set(ref) | set(other)) if ref.get(k) != other.get(k))
+        name = next((k for k in sorted(set(ref) | set(other)) if ref.get(k) != other.get(k)), None)
+        if name is None:  # the same tensors: the structures of PerMicrobatch values differ
+            return (
+                f"the pipeline ranks passed PerMicrobatch keyword values of different "
+                f"structures (types or constants): rank {first} differs from rank 0 "
+                "(every rank passes the same keyword values)"
+            )
 
         def of(sig: dict) -> str:
             return describe_keywords(((name, sig[name]),)) if name in sig else f"no {name!r}"

@@ -44,6 +44,7 @@ from .comm import SendTransfer
 from .context import RankContext
 from .program import Program
 from .step import StepLoop
+from .structured import PerMicrobatch, check_capturable, check_captured, structures
 from .tensors import as_tuple
 
 __all__ = ["Capture", "CaptureDriver"]
@@ -55,13 +56,24 @@ class Capture:
     """One captured signature: its plan, recorded metadata, buffer bindings and graphs;
     ``batch``: the runner's micro-batches (views of the plan's static batch buffers)."""
 
-    __slots__ = ("batch", "bindings", "graphs", "metas", "plan", "record", "sig", "warm_steps")
+    __slots__ = (
+        "batch",
+        "bindings",
+        "graphs",
+        "keywords",
+        "metas",
+        "plan",
+        "record",
+        "sig",
+        "warm_steps",
+    )
 
     def __init__(self, sig, plan, record, metas, bindings, batch) -> None:
         self.sig, self.plan, self.record, self.metas = sig, plan, record, metas
         self.bindings, self.batch = bindings, batch
         self.graphs: Any = None
         self.warm_steps = 0  # eager static steps still to run before the capture
+        self.keywords: Mapping[str, Any] = {}  # the PerMicrobatch structures captured
 
 
 def _decode_signature(signature: Signature) -> list[tuple[str, list[int], str]]:
@@ -100,6 +112,14 @@ def mismatch(captured: Signature, got: Signature) -> str:
         f"the batch holds {[n for n, _, _ in new]}, but the step was captured with "
         f"{[n for n, _, _ in old]}; pass recapture=True to capture a graph per signature"
     )
+
+
+def _static_keyword(value: Any, bufs: tuple[torch.Tensor, ...]) -> Any:
+    """A keyword over its static buffers: one tensor, a tuple, or a PerMicrobatch's
+    structure over its stacked tensors' buffers."""
+    if isinstance(value, PerMicrobatch):
+        return value.over(bufs)
+    return bufs[0] if isinstance(value, torch.Tensor) else bufs
 
 
 def _release(captures: dict, device_type: str) -> None:
@@ -151,7 +171,9 @@ class CaptureDriver:
         if cap is None:
             if self.captures and not self.recapture:
                 raise ValueError(mismatch(next(iter(self.captures)), sig))
+            check_capturable(kwargs)  # PerMicrobatch values: what has no static buffer
             return self._warmup(sig, inputs, labels, kwargs)
+        check_captured(cap.keywords, kwargs)
         self.activate(cap)
         if ctx.is_input_rank:
             for dst, src in zip(cap.plan.inputs, as_tuple(inputs), strict=True):
@@ -194,6 +216,7 @@ class CaptureDriver:
                 if loop.optimizer is not None:
                     loop.optimizer.step()
         cap = self.captures[sig] = self._make(sig, record, inputs, labels, kwargs)
+        cap.keywords = structures(kwargs)  # check_captured compares later steps' with them
         # Staged P2P (NCCL, several ranks): the capture waits for one eager static step with
         # the real transfers (see ``step``).
         cap.warm_steps = 1 if self.engine.staged else 0
@@ -260,8 +283,7 @@ class CaptureDriver:
             for t, keys, flat in owners
         ]
         static_kw = {
-            name: bufs[0] if isinstance(kwargs[name], torch.Tensor) else bufs
-            for name, bufs in plan.kwargs.items()
+            name: _static_keyword(kwargs[name], bufs) for name, bufs in plan.kwargs.items()
         }
         unwrap = isinstance(labels, torch.Tensor)
         self.loop.batch(sig, plan.inputs, plan.labels, static_kw, unwrap=unwrap)

@@ -30,6 +30,7 @@ import torch
 from .batch import Signature
 from .context import RankContext
 from .program import Program
+from .structured import PerMicrobatch
 from .tensors import split
 
 __all__ = ["StepLoop"]
@@ -98,7 +99,10 @@ class StepLoop:
             mb_kw = [{} for _ in range(m)]
             for name in routes.used:
                 value = kwargs[name]
-                parts = split(value, m, dev, unwrap=isinstance(value, torch.Tensor))
+                if isinstance(value, PerMicrobatch):  # one value per micro-batch, as given
+                    parts = value.microbatches(m, dev)
+                else:
+                    parts = split(value, m, dev, unwrap=isinstance(value, torch.Tensor))
                 for i, part in enumerate(parts):
                     mb_kw[i][name] = part
         runner.begin(mb_in, mb_lab, mb_kw, routes)

@@ -1,0 +1,167 @@
+"""torchtitan's pipeline parallelism on graphpipe: ``pipelining_fn`` for a model spec.
+
+torchtitan's ``Trainer`` reaches its pipeline through two calls only: the model spec's
+``pipelining_fn(model, parallel_dims=, training=, parallelism=, ...)`` returns
+``(schedule, model_parts, has_first_stage, has_last_stage)``, and the training loop calls
+``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=,
+return_outputs=False)`` (``schedule.eval(...)`` in validation). This ``pipelining_fn``
+splits the model with torchtitan's own ``pipeline_llm`` (module FQNs unchanged, SPMD
+parallelisms and compilation applied per part by the spec's ``parallelize_fn``: the
+optimizer, LR scheduler, checkpoints and metrics keep working), and returns, in place of
+torch's schedule, a ``graphpipe.integrations.torch_pipelining.PipelineSchedule`` over the same
+``PipelineStage`` objects: graphpipe's runtime, its F&B overlap, and with ``capture`` the
+static step (CUDA graphs on GPU).
+
+Set it in a config module (``--module M --config F`` on torchtitan's command line)::
+
+    import functools
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from graphpipe.integrations.torchtitan import pipelining_fn
+
+    def graphpipe_debugmodel():
+        config = llama3_debugmodel()
+        config.model_spec.pipelining_fn = functools.partial(pipelining_fn, capture="step")
+        return config
+
+The schedule (``parallelism.pipeline_parallel_schedule``): ``DualPipeV``, ``ZBVZeroBubble``,
+``1F1B`` and ``GPipe`` run graphpipe's own generators; any other multi-stage schedule
+(``Interleaved1F1B``, ``InterleavedZeroBubble``, a CSV in
+``pipeline_parallel_schedule_csv``) runs the compute order torch's class generated, read from
+its ``pipeline_order``. Refused with a ``ValueError`` naming them: data, tensor, context and
+expert parallelism together with pipeline parallelism (graphpipe composes with them through
+``Pipeline(dp_group=, ...)``, not yet wired here), and ``backward_requires_autograd=False``.
+
+torchtitan is an optional dependency: ``pip install 'graphpipe[torchtitan]'``; this module
+imports it when ``pipelining_fn`` is called.
+
+Owns: nothing. May touch: what torchtitan's ``pipeline_llm`` touches (the model it splits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphpipe.ir import Action
+
+from .torch_pipelining import PipelineSchedule
+
+__all__ = ["SCHEDULES", "pipelining_fn"]
+
+SCHEDULES = {"DualPipeV": "dualpipev", "ZBVZeroBubble": "zbv", "1F1B": "1f1b", "GPipe": "gpipe"}
+"""torchtitan's schedule names that graphpipe generates itself (others: torch's order)."""
+
+
+def _torch_order(torch_schedule: Any) -> dict[int, list[Action]]:
+    """The compute order torch's multi-stage schedule generated (its ``pipeline_order``, idle
+    steps dropped), as graphpipe actions."""
+    order = getattr(torch_schedule, "pipeline_order", None)
+    if not order:
+        raise ValueError(
+            f"torch's {type(torch_schedule).__name__} has no pipeline_order to run; use one of "
+            f"{sorted(SCHEDULES)}"
+        )
+    return {
+        rank: [Action.parse(str(a)) for a in actions if a is not None]
+        for rank, actions in order.items()
+    }
+
+
+def _fsdp_group(parallel_dims: Any) -> Any:
+    """The process group of the mesh dimension FSDP shards over (its name varies with
+    torchtitan's SPMD backend)."""
+    for name in ("fsdp", "dp_shard", "dp"):
+        try:
+            return parallel_dims.get_mesh(name).get_group()
+        except (ValueError, KeyError, RuntimeError):
+            continue
+    raise ValueError("graphpipe found no fsdp / dp_shard / dp mesh dimension in parallel_dims")
+
+
+def pipelining_fn(
+    model: nn.Module,
+    *,
+    parallel_dims: Any,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+    device: torch.device,
+    model_config: Any,
+    parallelize_fn: Callable[..., nn.Module],
+    loss_fn: Callable[..., Any],
+    capture: str | None = None,
+    **options: Any,
+) -> tuple[PipelineSchedule, list[nn.Module], bool, bool]:
+    """torchtitan's ``pipelining_fn`` contract, run by graphpipe (see the module doc).
+
+    ``capture``: None (eager), ``"step"`` or ``"action"`` (``Pipeline(capture=...)``).
+    ``options``: further ``graphpipe.Pipeline`` keyword arguments (``receives``,
+    ``timeout``, ``defer_weight_grads``, ...).
+
+    Returns ``(schedule, model_parts, has_first_stage, has_last_stage)`` as torchtitan's own
+    ``pipeline_llm`` does; ``schedule.step`` / ``schedule.eval`` take torchtitan's pre-split
+    arguments, append each micro-batch's loss (``loss_fn(...)[0]``, already divided by
+    ``global_valid_tokens``) to ``losses`` on the last stage's rank, and do not scale the
+    gradients (torchtitan's ``scale_grads=False``).
+    """
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    others = {
+        name: getattr(parallel_dims, name, 1)
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+        if getattr(parallel_dims, name, 1) not in (1, -1)
+    }
+    if others:
+        raise ValueError(
+            f"graphpipe's torchtitan pipelining_fn runs pipeline parallelism alone; this job "
+            f"also has {others}: graphpipe composes with data / tensor / expert parallelism "
+            "through Pipeline(dp_group=..., expert_groups=...), which this integration does "
+            "not wire yet"
+        )
+    torch_schedule, model_parts, has_first, has_last = pipeline_llm(
+        model,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=ac_config,
+        dump_folder=dump_folder,
+        device=device,
+        model_config=model_config,
+        parallelize_fn=parallelize_fn,
+        loss_fn=loss_fn,
+    )
+    # torch's schedule objects keep their stages as _stages (multi-stage) or _stage.
+    stages = getattr(torch_schedule, "_stages", None) or [torch_schedule._stage]
+    name = parallelism.pipeline_parallel_schedule
+    csv = getattr(parallelism, "pipeline_parallel_schedule_csv", None)
+    schedule: Any = SCHEDULES.get(name) if not csv else None
+    if schedule is None:
+        schedule = _torch_order(torch_schedule)
+
+    def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        loss, _ = loss_fn(*args, **kwargs)  # torchtitan's losses return (loss, extra)
+        return loss
+
+    # torchtitan's parallelize_fn applies FSDP2 to every part, also unsharded (for its mixed
+    # precision policy): graphpipe takes the group it is sharded over (one rank here).
+    if getattr(parallel_dims, "fsdp_enabled", False) or any(
+        type(m).__name__.startswith("FSDP") for m in model_parts
+    ):
+        options.setdefault("dp_group", _fsdp_group(parallel_dims))
+    ours = PipelineSchedule(
+        stages,
+        torch_schedule._n_microbatches,
+        scalar_loss,
+        scale_grads=False,
+        schedule=schedule,
+        capture=capture or False,
+        **options,
+    )
+    ours._torch_name = f"graphpipe's {name}"
+    return ours, model_parts, has_first, has_last

@@ -1,0 +1,119 @@
+"""Runs torchtitan's train main on CPU: the shims torchtitan 0.3.0 needs there, applied at
+import, no torchtitan file edited (tests/test_torchtitan_trainer.py starts it with torchrun).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.attention.flex_attention as fa
+from torch.distributed.pipelining import schedules
+
+
+class _CpuDevice:
+    """torch.cpu plus the device queries torchtitan's metrics and Trainer make (torchtitan
+    falls back to torch.cuda without an accelerator); memory figures are zeros on CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, device=None) -> str:
+        return "cpu"
+
+    def current_device(self) -> int:
+        return 0
+
+    def get_device_properties(self, device=None):
+        return types.SimpleNamespace(total_memory=1 << 30, name="cpu")
+
+    def reset_peak_memory_stats(self, *args) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_stats(self, *args) -> dict:
+        return {
+            "active_bytes.all.peak": 0,
+            "reserved_bytes.all.peak": 0,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    def max_memory_allocated(self, *args) -> int:
+        return 0
+
+    def max_memory_reserved(self, *args) -> int:
+        return 0
+
+    def set_device(self, *args) -> None:
+        pass
+
+
+import torchtitan.trainer  # noqa: E402, F401  (imports every module that reads device_type)
+from torchtitan.models.common import attention  # noqa: E402
+
+# torchtitan picks "cuda" (and torch.cuda) without an accelerator, in each module at import.
+_cpu = _CpuDevice()
+for _name, _mod in list(sys.modules.items()):
+    if _name.startswith("torchtitan"):
+        if getattr(_mod, "device_type", None) == "cuda":
+            _mod.device_type = "cpu"
+        if getattr(_mod, "device_module", None) is torch.cuda:
+            _mod.device_module = _cpu
+# torch refuses FlexAttention's backward on CPU tensors; its eager reference implementation
+# computes it (torchtitan itself uses that path on ROCm).
+fa._validate_device = lambda *args: None
+# torchtitan compiles flex_attention and create_block_mask with inductor: the eager functions
+# give the same values on CPU without minutes of compilation.
+attention.FlexAttention._compiled_flex_attn = fa.flex_attention
+attention._compiled_create_block_mask = fa.create_block_mask
+# torchtitan 0.3.0 calls torch.distributed.set_timeout, which torch 2.13 has as a private one.
+if not hasattr(dist, "set_timeout"):
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    dist.set_timeout = _set_pg_timeout
+
+_torch_step = schedules.PipelineScheduleMulti.step
+
+
+def _presplit_step(
+    self,
+    *args,
+    arg_mbs=None,
+    kwarg_mbs=None,
+    target_mbs=None,
+    losses=None,
+    return_outputs=True,
+    loss_kwargs=None,
+    **kwargs,
+):
+    """For torch's own schedules only: torch 2.14's pre-split step keywords, which
+    torchtitan's Trainer passes, on torch 2.13 (its step's body on pre-split micro-batches)."""
+    if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+        return _torch_step(
+            self,
+            *args,
+            losses=losses,
+            return_outputs=return_outputs,
+            loss_kwargs=loss_kwargs,
+            **kwargs,
+        )
+    for stage in self._stages:
+        stage.has_backward = self._has_backward
+        stage.clear_runtime_states()
+    self._step_microbatches(
+        arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+    )
+    return None
+
+
+schedules.PipelineScheduleMulti.step = _presplit_step
+
+if __name__ == "__main__":
+    from torchtitan.train import main
+
+    main()
