@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["RankFailed", "RunStopped", "joined_torchrun", "launch"]
 
 _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+STORE_HOST = "the graphpipe launcher process"  # who serves the store, as errors name it
 
 
 class RankFailed(RuntimeError):
@@ -188,7 +189,7 @@ def launch(fn: Callable[..., Any], num_ranks: int, device: str, *args: Any) -> N
     ]
     try:
         # the ranks inherit the ignored SIGINT (see the module doc) and the store's host
-        with _sigint_ignored(), _environ(GRAPHPIPE_STORE_HOST="the graphpipe launcher process"):
+        with _sigint_ignored(), _environ(GRAPHPIPE_STORE_HOST=STORE_HOST):
             for p in procs:
                 p.start()
         for _, sender in pipes:

@@ -57,24 +57,26 @@ class BenchWorld:
     def __init__(self, num_ranks: int, device: str = "cpu", timeout: float = 300.0) -> None:
         import torch.multiprocessing as mp
 
-        from graphpipe.launch import _entry, _free_port
+        from graphpipe.launch import STORE_HOST, _entry, _environ, _serve_store
 
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self.store = _serve_store()  # the job's store, served here as graphpipe.launch does
+        port = self.store.port
         self.timeout = timeout
         self.conns: list[Any] = []
         self.procs: list[Any] = []
-        for rank in range(num_ranks):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_entry,
-                args=(rank, num_ranks, port, device, _serve, (child,)),
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        with _environ(GRAPHPIPE_STORE_HOST=STORE_HOST):
+            for rank in range(num_ranks):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_entry,
+                    args=(rank, num_ranks, port, device, _serve, (child,)),
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(proc)
 
     def _ask(self, cmd: str, arg: Any) -> list[Any]:
         for c in self.conns:
