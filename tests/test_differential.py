@@ -126,6 +126,9 @@ REGRESSIONS = {
     ),
     # The dp sum reduced the earlier call's gradient again: 2 * gA + gB.
     "dp_sum_accumulates": dict(n=2, dp=2, m=4, rows=8, calls=2, reduction="sum"),
+    # The other two: untied weights and the dp mean (exact before, kept so).
+    "untied_accumulates": dict(n=2, m=4, rows=8, calls=2),
+    "dp_mean_accumulates": dict(n=2, dp=2, m=4, rows=8, calls=2, reduction="mean"),
     # Both local copies of a tie name on rank 0 (DualPipeV): the copies start at zero.
     "local_copies_accumulate": dict(n=2, m=4, rows=8, tied="marked", calls=3, reduction="sum"),
     "no_sync_dp_sum_clip": dict(
