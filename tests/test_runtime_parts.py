@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch import nn
 
+from graphpipe import models
 from graphpipe.errors import PipelineError
 from graphpipe.ir import Action, Placement
 from graphpipe.lower import Step, lower, transfers
 from graphpipe.meta import DTYPE_CODE
-from graphpipe.roles import mark_tied
+from graphpipe.roles import mark_tied, unique_parameters
 from graphpipe.runtime.accumulation import GradSync
 from graphpipe.runtime.batch import BatchAgreement, describe_keywords, keywords_signature
 from graphpipe.runtime.clipping import GradClipper, check_clip_args
@@ -745,3 +746,18 @@ def test_check_clip_args(args, match):
     with pytest.raises(ValueError, match=match):
         check_clip_args(*args)
     assert check_clip_args(2, math.inf) == (2.0, math.inf)
+
+
+# --------------------------------------------------------------------------------------------
+# unique_parameters (graphpipe.roles): the runtime's and the models' one definition
+
+
+def test_unique_parameters_and_the_rank_context():
+    shared, frozen = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1), requires_grad=False)
+    first = _holder(w=torch.ones(2), shared=shared)
+    last = _holder(shared=shared, frozen=frozen, v=torch.ones(3))
+    assert unique_parameters([first, last]) == [first.w, shared, frozen, last.v]
+    assert unique_parameters(last) == [shared, frozen, last.v]
+    assert unique_parameters((first, last), trainable=True) == [first.w, shared, last.v]
+    assert _ctx((first, last)).parameters() == [first.w, shared, last.v]
+    assert models.unique_parameters is unique_parameters
