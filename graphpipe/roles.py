@@ -17,6 +17,10 @@ them; neither knows the other.
   once in a clipped norm (``runtime/tied.py``). Copies on one rank that are one Parameter
   object need no mark.
 
+``unique_parameters(modules)`` lists the parameters of several stages, each once (a weight
+shared by two stages is one ``Parameter``): what the runtime counts and what a model hands an
+optimizer.
+
 Owns: the marker attributes. May touch: nothing else (pure functions of parameters).
 """
 
@@ -37,6 +41,7 @@ __all__ = [
     "mark_expert",
     "mark_tied",
     "tied_name",
+    "unique_parameters",
 ]
 
 EXPERT_ATTR = "_graphpipe_expert"
@@ -91,3 +96,17 @@ def mark_tied(param: torch.Tensor, name: str) -> torch.Tensor:
 def tied_name(param: torch.Tensor) -> str | None:
     """The tie name ``mark_tied`` gave ``param`` (None: not tied across ranks)."""
     return getattr(param, TIED_ATTR, None)
+
+
+def unique_parameters(
+    modules: Iterable[nn.Module] | nn.Module, trainable: bool = False
+) -> list[nn.Parameter]:
+    """The parameters of ``modules`` in module order, each once (a weight tied between two
+    stages, as an embedding and the output head, is in both); ``trainable``: only those that
+    require a gradient."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        for p in module.parameters():
+            if p.requires_grad or not trainable:
+                seen.setdefault(id(p), p)
+    return list(seen.values())

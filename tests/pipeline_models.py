@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphpipe.roles import unique_parameters
+
 
 class Block(nn.Module):
     """A residual MLP stage: LayerNorm (a non-Linear parameter), two Linears, tanh.
@@ -90,9 +92,8 @@ def params(stages) -> list[torch.nn.Parameter]:
     return [p for s in stages for p in s.parameters()]
 
 
-def unique_params(stages) -> list[torch.nn.Parameter]:
-    """The parameters of ``stages``, a tied one once (what an optimizer or a clip takes)."""
-    return list({id(p): p for s in stages for p in s.parameters()}.values())
+unique_params = unique_parameters
+"""The parameters of ``stages``, a tied one once (what an optimizer or a clip takes)."""
 
 
 def twin_diffs(eager, eager_stages, captured, captured_stages, x, y) -> dict[str, float]:

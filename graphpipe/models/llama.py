@@ -45,6 +45,7 @@ from torch import nn
 from graphpipe.keymap import set_unsplit_keys
 from graphpipe.models.moe import MoEMLP, reset_dropped_tokens
 from graphpipe.models.overlap import Exchange, Tape, drain, overlapped_pair
+from graphpipe.roles import unique_parameters
 from graphpipe.splits import check_layers_per_stage, layers_per_stage
 
 _even_split = layers_per_stage  # build_stages' keyword of the same name hides it there
@@ -707,17 +708,6 @@ def build_model(
     """The unsplit model: ``build_stages(config, 1, ...)[0]`` (tokens in, logits out, or
     ``(logits, aux)`` with experts)."""
     return build_stages(config, 1, seed=seed, dtype=dtype, device=device, ep_group=ep_group)[0]
-
-
-def unique_parameters(stages: Iterable[nn.Module] | nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``stages`` in order, each once (the tied embedding/head weight is in
-    the first and the last stage); what to hand an optimizer that sees several stages."""
-    modules = [stages] if isinstance(stages, nn.Module) else list(stages)
-    seen: dict[int, nn.Parameter] = {}
-    for module in modules:
-        for param in module.parameters():
-            seen.setdefault(id(param), param)
-    return list(seen.values())
 
 
 def num_parameters(stages: Iterable[nn.Module] | nn.Module) -> int:

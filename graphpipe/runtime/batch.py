@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 import hashlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from .faults import CommFailure
 from .store import first_line
 from .structured import PerMicrobatch, check_count, structure_digest
 from .tensors import as_tuple
+
+if TYPE_CHECKING:
+    from .groups import PipelineGroups
 
 __all__ = ["BatchAgreement", "KwSig", "Signature", "describe_keywords", "keywords_signature"]
 
@@ -120,7 +123,7 @@ class BatchAgreement:
 
     def __init__(
         self,
-        groups: Any,
+        groups: PipelineGroups,
         rank: int,
         num_ranks: int,
         input_rank: int,

@@ -31,7 +31,7 @@ import functools
 import math
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,11 @@ from .program import Program
 from .step import StepLoop
 from .structured import PerMicrobatch, check_capturable, check_captured, structures
 from .tensors import as_tuple
+
+if TYPE_CHECKING:
+    from .comm import CommEngine
+    from .loss import LossReducer
+    from .stage import StageRunner
 
 __all__ = ["Capture", "CaptureDriver"]
 
@@ -147,9 +152,9 @@ class CaptureDriver:
         ctx: RankContext,
         loop: StepLoop,
         program: Program,
-        runner: Any,
-        engine: Any,
-        loss: Any,
+        runner: StageRunner,
+        engine: CommEngine,
+        loss: LossReducer,
         mode: str,
         recapture: bool,
     ) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.meta import is_dtensor
-from graphpipe.roles import is_expert
+from graphpipe.roles import ExpertGroups, is_expert
 
 from .accumulation import GradSync
 from .context import RankContext
@@ -66,7 +66,10 @@ class GradClipper:
     """
 
     def __init__(
-        self, ctx: RankContext, expert_groups: Any = None, counted_elsewhere: set[int] = frozenset()
+        self,
+        ctx: RankContext,
+        expert_groups: ExpertGroups | None = None,
+        counted_elsewhere: set[int] = frozenset(),
     ) -> None:
         self.ctx = ctx
         self.counted_elsewhere = counted_elsewhere  # ids of tied copies another rank counts

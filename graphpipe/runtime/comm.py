@@ -148,17 +148,19 @@ class RecvTransfer(_Transfer):
     """This rank's receiving end of a transfer.
 
     static: the active plan's buffers (a flat packet buffer, or per message a tuple).
-    works: the posted receives; staged / headers: handshake state.
+    works: the posted receives; headers / host_bufs: handshake state (``host_bufs``: the
+    payload received into host memory over the control group, NCCL, moved to the device
+    after the wait).
     """
 
-    __slots__ = ("headers", "resolved", "staged", "static", "wait_name", "works")
+    __slots__ = ("headers", "host_bufs", "resolved", "static", "wait_name", "works")
 
     def __init__(self, engine: CommEngine, spec: Transfer) -> None:
         super().__init__(engine, spec, spec.recvs)
         self.static: Any = None
         self.works: list = []
         self.headers: list[tuple[_Msg, torch.Tensor, Any]] = []
-        self.staged: list[tuple[_Msg, Tensors]] = []
+        self.host_bufs: list[tuple[_Msg, Tensors]] = []
         self.resolved = True
         self.wait_name = "wait " + self.name
 
@@ -169,7 +171,7 @@ class RecvTransfer(_Transfer):
         self.engine.wait_recv(self)
 
     def forget(self) -> None:
-        self.works, self.headers, self.staged, self.resolved = [], [], [], True
+        self.works, self.headers, self.host_bufs, self.resolved = [], [], [], True
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,12 +320,12 @@ class CommEngine:
             if not t.resolved:
                 self._resolve(t)
             _wait_all(t.works, t.peer_rank, t.wait_name)
-            if t.staged:
-                for m, bufs in t.staged:
+            if t.host_bufs:
+                for m, bufs in t.host_bufs:
                     moved = tuple(b.to(self.device) for b in bufs)
                     store = self.runner.store_activation if m.forward else self.runner.store_grad
                     store(m.li, m.mb, moved)
-                t.staged = []
+                t.host_bufs = []
         finally:
             ranges.pop()
 
@@ -391,7 +393,7 @@ class CommEngine:
                 metas = self.metas[m.channel] = decode_header(h, self.device)
                 bufs = tuple(x.on(cpu if self.staged else self.device).empty() for x in metas)
                 if self.staged:
-                    u.staged.append((m, bufs))
+                    u.host_bufs.append((m, bufs))
                 else:
                     store = self.runner.store_activation if m.forward else self.runner.store_grad
                     store(m.li, m.mb, bufs)

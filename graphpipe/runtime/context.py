@@ -16,18 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RankContext", "unique_parameters"]
+from graphpipe.roles import unique_parameters
 
-
-def unique_parameters(modules: tuple[nn.Module, ...]) -> list[nn.Parameter]:
-    """The trainable parameters of ``modules``, each once (a tied one shared by two stages
-    counts once), in module order."""
-    seen: dict[int, nn.Parameter] = {}
-    for mod in modules:
-        for p in mod.parameters():
-            if p.requires_grad:
-                seen.setdefault(id(p), p)
-    return list(seen.values())
+__all__ = ["RankContext"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,4 +56,4 @@ class RankContext:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
-        return unique_parameters(self.modules)
+        return unique_parameters(self.modules, trainable=True)

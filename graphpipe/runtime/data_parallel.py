@@ -63,13 +63,13 @@ import functools
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphpipe.roles import is_expert
+from graphpipe.roles import ExpertGroups, is_expert
 
 from .accumulation import GradSync, divide_existing
 from .config import join, refuse
@@ -79,6 +79,9 @@ from .groups import store_key
 from .program import Program
 from .store import JobStore
 from .tensors import grad_or_zeros, local_shard
+
+if TYPE_CHECKING:
+    from graphpipe.nvtx import Ranges
 
 __all__ = ["DataParallel", "check_stage_wrappers", "refuse_setup", "setup_key"]
 
@@ -202,11 +205,11 @@ class DataParallel:
         self,
         ctx: RankContext,
         program: Program,
-        ranges: Any,
+        ranges: Ranges,
         faults: Faults,
         dp_group: Any,
         bucket_cap_mb: float = 25.0,
-        expert_groups: Any = None,
+        expert_groups: ExpertGroups | None = None,
         loss_reduction: str = "mean",
         managed: set[int] = frozenset(),
         grad_sync: GradSync | None = None,

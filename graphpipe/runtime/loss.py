@@ -17,12 +17,16 @@ fields, the loss average it is given (the data-parallel part's), the control gro
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .context import RankContext
+
+if TYPE_CHECKING:
+    from .faults import Faults
+    from .stage import StageRunner
 
 __all__ = ["LossReducer"]
 
@@ -36,7 +40,9 @@ class LossReducer:
     over the replicas in place.
     """
 
-    def __init__(self, ctx: RankContext, runner: Any, faults: Any, reduction: str = "mean") -> None:
+    def __init__(
+        self, ctx: RankContext, runner: StageRunner, faults: Faults, reduction: str = "mean"
+    ) -> None:
         self.ctx, self.runner, self.faults = ctx, runner, faults
         self.reduction = reduction
         self.dtype: torch.dtype | None = None

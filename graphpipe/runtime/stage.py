@@ -106,8 +106,9 @@ class StageRunner:
     modules / stage_ids: this rank's stages, in ascending stage order.
     last_stage: the stage whose output goes to ``loss_fn``.
     num_microbatches: M; tables are indexed by micro-batch.
-    split: ``split[li][mb]`` is True when that micro-batch's backward is an ``I`` (its
-        forward then takes the deferrable Linear path).
+    split_flags: ``split_flags[li][mb]`` is True when that micro-batch's backward is an ``I``
+        (its forward then takes the deferrable Linear path; the stage's ``WeightGradStore``
+        gets the flag as its ``split``).
     defer: switch the stages' ``nn.Linear`` layers to ``DeferrableLinear`` (False: every
         weight gradient is computed during ``I``; ``W`` actions then have nothing to do).
     """
@@ -120,7 +121,7 @@ class StageRunner:
         num_microbatches: int,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         device: torch.device,
-        split: list[list[bool]],
+        split_flags: list[list[bool]],
         defer: bool = True,
     ) -> None:
         self.modules = tuple(modules)
@@ -129,7 +130,7 @@ class StageRunner:
         self.last_stage = last_stage
         self.loss_fn = loss_fn
         self.device = device
-        self.split = split
+        self.split_flags = split_flags
         # The local stage feeding stage li (None: the batch or another rank), and the one
         # that consumes stage li's input gradient.
         self.prev_local = [self.local.get(s - 1) for s in self.stage_ids]
@@ -247,7 +248,7 @@ class StageRunner:
 
     def forward(self, li: int, mb: int) -> None:
         x = self._forward_inputs(li, mb)
-        self.stores[li].split = self.split[li][mb]
+        self.stores[li].split = self.split_flags[li][mb]
         self._finish_forward(li, mb, self._call(li, mb, x))
 
     def _backward_operands(self, li: int, mb: int) -> tuple[list, list]:
@@ -305,7 +306,7 @@ class StageRunner:
     def backward_full(self, li: int, mb: int) -> None:
         tensors, grads = self._backward_operands(li, mb)
         store = self.stores[li]
-        store.split = self.split[li][mb]  # an activation checkpoint recomputes F
+        store.split = self.split_flags[li][mb]  # an activation checkpoint recomputes F
         if tensors:
             store.accumulating = True  # large Linears accumulate their weight grads fused
             try:
@@ -316,7 +317,7 @@ class StageRunner:
 
     def backward_input(self, li: int, mb: int) -> None:
         tensors, grads = self._backward_operands(li, mb)
-        self.stores[li].split = self.split[li][mb]  # an activation checkpoint recomputes F
+        self.stores[li].split = self.split_flags[li][mb]  # an activation checkpoint recomputes F
         with self.stores[li].deferring((self.stage_ids[li], mb)):
             if tensors:
                 _backward(tensors, grads)
@@ -327,11 +328,11 @@ class StageRunner:
 
     def idle_weight_stages(self) -> list[int]:
         """The stages with deferrable layers holding trainable weights whose W actions (one
-        per split backward: ``split``) have run and found no deferred work at all: every
+        per split backward: ``split_flags``) have run and found no deferred work at all: every
         weight gradient was computed in I."""
         idle = []
         for li, module in enumerate(self.modules):
-            if not self.num_deferrable[li] or not any(self.split[li]) or self.w_work[li]:
+            if not self.num_deferrable[li] or not any(self.split_flags[li]) or self.w_work[li]:
                 continue
             linears = [m for m in module.modules() if isinstance(m, DeferrableLinear)]
             if linears and not any(m.weight.requires_grad for m in linears):
@@ -353,8 +354,8 @@ class StageRunner:
         if hook is not None and type(fmod) is type(bmod):
             x = self._forward_inputs(fli, fmb)
             # The B's stage first: with one stage on both sides the F's value must win.
-            self.stores[bli].split = self.split[bli][bmb]
-            self.stores[fli].split = self.split[fli][fmb]
+            self.stores[bli].split = self.split_flags[bli][bmb]
+            self.stores[fli].split = self.split_flags[fli][fmb]
             tensors, grads = self._backward_operands(bli, bmb)
             kw = self._kwargs(fli, fmb)  # the F's keyword tensors
             if full:

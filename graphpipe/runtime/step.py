@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,14 @@ from .context import RankContext
 from .program import Program
 from .structured import PerMicrobatch
 from .tensors import split
+
+if TYPE_CHECKING:
+    from graphpipe.nvtx import Ranges
+
+    from .comm import CommEngine
+    from .faults import Faults
+    from .loss import LossReducer
+    from .stage import StageRunner
 
 __all__ = ["StepLoop"]
 
@@ -47,11 +55,11 @@ class StepLoop:
     def __init__(
         self,
         ctx: RankContext,
-        runner: Any,
-        engine: Any,
-        loss: Any,
-        faults: Any,
-        ranges: Any,
+        runner: StageRunner,
+        engine: CommEngine,
+        loss: LossReducer,
+        faults: Faults,
+        ranges: Ranges,
         nccl: bool,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
