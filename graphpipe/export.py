@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``graphpipe export`` on the subparsers ``sub``."""
     p = sub.add_parser(
         "export",
-        help="write the unsplit model's state_dict from a checkpoint",
+        help="write the unsplit model from a checkpoint: a state_dict, or with --hf-config a "
+        "Hugging Face model directory",
         description=(
             "Read a graphpipe checkpoint in this process (no process group), verify its "
             "files, and write the unsplit model's state_dict with torch.save: each stage's "
