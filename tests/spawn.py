@@ -5,7 +5,8 @@ Starting a rank costs an interpreter and ``import torch`` (about 3 s of CPU per 
 keeps one pool of ``world`` processes per world size for the whole test session: each call
 sends its function to the pool's ranks, which create a fresh gloo process group on a fresh
 port, run it, report, destroy the group and restore what a test may have changed (environment
-variables, default dtype, grad mode, the torch RNG's start seed), ready for the next call.
+variables, default dtype, grad mode, the torch RNG's start seed, graphpipe's counters of the
+store keys it took), ready for the next call.
 
 A call that fails or times out kills its pool (a rank may be stuck in a collective or hold a
 broken group); the next call starts a new one. Before a rank that gave no result is killed,
@@ -115,7 +116,20 @@ def _serve(rank: int, world: int, tasks: Any, results: Any) -> None:
         os.environ.update(environ)
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(True)
+        _forget_store_keys()
         results.put((task_id, rank, status, value))
+
+
+def _forget_store_keys() -> None:
+    """Each call is a new job with a new store: graphpipe's per-process counters of the keys
+    it took (``runtime.groups.store_key``) start again, as in a fresh process. A call where
+    the ranks took different numbers of keys (a rank that refused before a join another rank
+    waited in) would otherwise leave the next call's ranks waiting on different keys."""
+    import sys
+
+    groups = sys.modules.get("graphpipe.runtime.groups")
+    if groups is not None:
+        groups._created.clear()
 
 
 class _Pool:
