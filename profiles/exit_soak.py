@@ -23,7 +23,9 @@ without it. ``tests/test_exit_dist.py`` runs two runs of this in the default sui
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import gc
 import os
 import socket
 import subprocess
@@ -43,6 +45,7 @@ def _rank_main(destroy: bool) -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    atexit.register(_report_held, rank)  # registered first: runs after graphpipe's hooks
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     g = torch.Generator().manual_seed(0)
     dim = 8
@@ -70,6 +73,18 @@ def _rank_main(destroy: bool) -> None:
     if destroy:
         dist.destroy_process_group()
     # Return with both pipelines alive: the interpreter finalizes with them.
+
+
+def _report_held(rank: int) -> None:
+    """At exit, after graphpipe's exit hooks: how many pipeline gloo groups are still held
+    (each one left would be destroyed, its worker threads joined, while the interpreter
+    finalizes)."""
+    from graphpipe.runtime.groups import _DROPPED, PatientGroup
+
+    held = sum(
+        1 for o in gc.get_objects() if isinstance(o, PatientGroup) and o.group is not _DROPPED
+    )
+    print(f"rank {rank} gloo groups held at exit: {held}", flush=True)
 
 
 def _free_port() -> int:
@@ -109,9 +124,16 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
             problems.append(f"rank {r} did not exit within {timeout:g} s")
             continue
         lines = [ln for ln in out.splitlines() if "Warning" not in ln]
+        released = f"rank {r} gloo groups held at exit: 0" in lines
         if p.returncode != 0 or not any(ln.startswith(f"rank {r} loss ") for ln in lines):
             head = "\n    ".join(lines[:6])
             problems.append(f"rank {r} exited with status {p.returncode}:\n    {head}")
+        elif not released:
+            held = [ln for ln in lines if ln.startswith(f"rank {r} gloo groups held")]
+            problems.append(
+                f"rank {r} exited with 0 but its pipeline gloo groups outlived graphpipe's exit "
+                f"hooks: {held[0] if held else 'no report'}"
+            )
     return problems
 
 
