@@ -6,24 +6,31 @@
 
 Each run starts ``--ranks`` fresh processes (``env://``, gloo); each builds an eager and a
 captured ``DualPipeV``, steps them (the captured one three times: warmup, capture, replay),
-prints its loss, and returns from its main function without ``close()``: the interpreter
-finalizes with both pipelines alive. With ``--destroy`` (or ``--destroy half``: every other
-run) each rank calls ``dist.destroy_process_group()`` first. A run fails when a rank exits
-with another status (SIGABRT from ``terminate called without an active exception`` is -6)
-or does not print its loss; the first lines of a failed rank's output are shown.
+prints its loss, and returns from its main function without ``close()``: the pipelines go
+with its frame, while their process groups (``PipelineGroups``, in reference cycles) are
+still alive at exit. With ``--destroy`` (or ``--destroy half``: every other run) each rank
+calls ``dist.destroy_process_group()`` first. After graphpipe's exit hooks each rank prints
+how many pipeline gloo groups are still held (a ``PatientGroup`` that was not released: it
+would be destroyed, its worker threads joined, while the interpreter finalizes). A run fails
+when a rank exits with another status (SIGABRT from ``terminate called without an active
+exception`` is -6), does not print its loss, or reports a group still held; the first lines
+of a failed rank's output are shown.
 
-What it shows (2026-12-01, the shared 2-core machine, torch 2.13, 2 ranks, ``--parallel 2``):
-``--runs 150``, about 15 min: 0 of 150 runs aborted. At a8cf8b7, 280 runs (``--destroy
-half`` 220, ``--destroy yes`` 60): 1 aborted, a run that did not destroy (rank 1: SIGABRT,
-``terminate called without an active exception``); 180 runs at 608be28 (half 120, yes 60)
-showed none. Its cause is not known. ``graphpipe/runtime/lifetime.py`` says what would abort
-without it. ``tests/test_exit_dist.py`` runs two runs of this in the default suite.
+What it shows (2026-12-01, the shared 2-core machine, torch 2.13, 2 ranks, at f352bdf):
+``--runs 300 --parallel 2``, 1065 s: no run aborted and no rank reported a group held; 1 run
+failed before any pipeline was built (both ranks: ``Gloo connectFullMesh failed ... Connect
+timeout`` in ``dist.init_process_group``, status 1). ``--runs 100 --parallel 2 --destroy
+half``, 294 s: 0 of 100 failed. ``graphpipe/runtime/lifetime.py`` says what would abort
+without the exit hooks. ``tests/test_exit_dist.py`` runs two runs of this in the default
+suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import gc
 import os
 import socket
 import subprocess
@@ -43,6 +50,7 @@ def _rank_main(destroy: bool) -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    atexit.register(_report_held, rank)  # registered first: runs after graphpipe's hooks
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     g = torch.Generator().manual_seed(0)
     dim = 8
@@ -70,6 +78,18 @@ def _rank_main(destroy: bool) -> None:
     if destroy:
         dist.destroy_process_group()
     # Return with both pipelines alive: the interpreter finalizes with them.
+
+
+def _report_held(rank: int) -> None:
+    """At exit, after graphpipe's exit hooks: how many pipeline gloo groups are still held
+    (each one left would be destroyed, its worker threads joined, while the interpreter
+    finalizes)."""
+    from graphpipe.runtime.groups import _DROPPED, PatientGroup
+
+    held = sum(
+        1 for o in gc.get_objects() if isinstance(o, PatientGroup) and o.group is not _DROPPED
+    )
+    print(f"rank {rank} gloo groups held at exit: {held}", flush=True)
 
 
 def _free_port() -> int:
@@ -109,9 +129,16 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
             problems.append(f"rank {r} did not exit within {timeout:g} s")
             continue
         lines = [ln for ln in out.splitlines() if "Warning" not in ln]
+        released = f"rank {r} gloo groups held at exit: 0" in lines
         if p.returncode != 0 or not any(ln.startswith(f"rank {r} loss ") for ln in lines):
             head = "\n    ".join(lines[:6])
             problems.append(f"rank {r} exited with status {p.returncode}:\n    {head}")
+        elif not released:
+            held = [ln for ln in lines if ln.startswith(f"rank {r} gloo groups held")]
+            problems.append(
+                f"rank {r} exited with 0 but its pipeline gloo groups outlived graphpipe's exit "
+                f"hooks: {held[0] if held else 'no report'}"
+            )
     return problems
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from graphpipe.errors import PipelineError
 
 from .config import PipelineConfig, join, refuse
+from .lifetime import release_groups_at_exit
 from .status import WATCH
 from .store import JobStore, first_line
 
@@ -222,6 +223,7 @@ class PipelineGroups:
                 ) from None
         if n > 1:
             self._build()
+            release_groups_at_exit(self)  # released at exit even when the pipeline is gone
 
     @property
     def _seconds(self) -> float:

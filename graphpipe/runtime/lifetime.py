@@ -14,6 +14,16 @@ unwinding through the noexcept ``~AsyncWork`` calls ``std::terminate``. It takes
 thread that is descheduled between finishing a work and releasing it while the main thread
 exits: rare, more so on a busy machine.
 
+The gloo groups that matter are owned by the pipeline's ``PipelineGroups``, which can
+outlive the pipeline: a pipeline held by a local variable goes when its function returns,
+while its ``PipelineGroups`` (in reference cycles with the fault handling and the
+communication engine) waits for the garbage collector, which at exit means the one
+``Py_FinalizeEx`` runs after it has set the interpreter finalizing. A breakpoint on
+``~ProcessGroupGloo`` in a rank of ``profiles/exit_soak.py`` shows it there (``Py_FinalizeEx``
+-> ``PyGC_Collect`` -> ``subtype_dealloc`` -> ``pybind11_object_dealloc``) for both
+pipelines' groups when only pipelines are registered: their workers are joined while the
+interpreter finalizes, the window of the abort above.
+
 So at exit, before the interpreter finalizes, ``release_at_exit`` (an ``atexit`` hook) takes
 every pipeline still alive and
 
@@ -27,12 +37,18 @@ every pipeline still alive and
    their Python objects, so no worker thread of those groups needs the GIL for them. The
    process is ending: the operating system takes the memory back.
 
-``profiles/exit_soak.py`` runs such a script many times (0 of 150 runs aborted; later, 1 of
-280, cause unknown; its doc has the commands); ``tests/test_exit_dist.py`` runs it twice in
-the default suite.
+and then every ``PipelineGroups`` still alive, its pipeline gone or not (each registers
+itself when it builds its groups, ``release_groups_at_exit``): it releases its groups (2)
+and is kept alive (3) too. With that, the breakpoint is hit only inside the hook
+(``_PyAtExit_Call``), and the soak checks it in every run: each rank reports how many
+pipeline gloo groups are still held after the hooks, and a run with any fails.
 
-Owns: the registry of live pipelines (weak references). May touch: a registered pipeline's
-``close`` and its groups' ``release``, at exit only.
+``profiles/exit_soak.py`` runs such a script many times (its doc has the commands and the
+figures); ``tests/test_exit_dist.py`` runs it twice in the default suite.
+
+Owns: the registry of live pipelines and of their ``PipelineGroups`` (weak references). May
+touch: a registered pipeline's ``close`` and a registered ``PipelineGroups``' ``release``, at
+exit only.
 """
 
 from __future__ import annotations
@@ -43,19 +59,38 @@ import ctypes
 import weakref
 from typing import Any
 
-__all__ = ["HOLD_S", "hold_store", "keep_through_exit", "release_at_exit", "wait_for_readers"]
+__all__ = [
+    "HOLD_S",
+    "hold_store",
+    "keep_through_exit",
+    "release_at_exit",
+    "release_groups_at_exit",
+    "wait_for_readers",
+]
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines
+_GROUPS: weakref.WeakSet = weakref.WeakSet()  # their PipelineGroups
 _registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        atexit.register(release_at_exit)
+        _registered = True
 
 
 def keep_through_exit(pipeline: Any) -> None:
     """Register ``pipeline`` (with ``close()`` and ``groups.release()``) for the exit hook."""
-    global _registered
     _LIVE.add(pipeline)
-    if not _registered:
-        atexit.register(release_at_exit)
-        _registered = True
+    _register()
+
+
+def release_groups_at_exit(groups: Any) -> None:
+    """Register ``groups`` (a ``PipelineGroups``, with ``release()``) for the exit hook: it
+    owns the gloo groups, and outlives its pipeline when it is in a reference cycle."""
+    _GROUPS.add(groups)
+    _register()
 
 
 HOLD_S = 30.0
@@ -124,3 +159,8 @@ def release_at_exit() -> None:
             pipeline.groups.release()
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(pipeline))
         _LIVE.discard(pipeline)
+    for groups in list(_GROUPS):  # also those whose pipeline is gone (see the module doc)
+        with contextlib.suppress(Exception):
+            groups.release()
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(groups))
+        _GROUPS.discard(groups)
