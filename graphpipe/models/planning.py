@@ -342,23 +342,43 @@ def plan_hf_split(
             )
         )
         first, *layers, last = _measure(parts, reps, threads)
-        try:
-            plans.append(
-                plan_stages(
-                    layers,
-                    num_stages,
-                    num_microbatches=m,
-                    schedule=schedule,
-                    first_costs=first,
-                    last_costs=last,
-                    memory_budget=memory_budget,
-                    p2p=p2p,
-                    tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
-                )
-            )
-        except MemoryBudgetExceeded as e:
-            refused.append(e)
+        _plan_one(
+            plans, refused, layers, first, last, pieces, num_stages, m, schedule, memory_budget, p2p
+        )
     return _best(plans, refused)
+
+
+def _plan_one(
+    plans: list[StagePlan],
+    refused: list[MemoryBudgetExceeded],
+    layers: list[LayerCost],
+    first: LayerCost,
+    last: LayerCost,
+    pieces: list[nn.Module],
+    num_stages: int,
+    m: int,
+    schedule: str,
+    memory_budget: float | None,
+    p2p: float,
+) -> None:
+    """``plan_stages`` of the measured costs for ``m`` micro-batches: the plan into ``plans``,
+    or a budget refusal into ``refused``."""
+    try:
+        plans.append(
+            plan_stages(
+                layers,
+                num_stages,
+                num_microbatches=m,
+                schedule=schedule,
+                first_costs=first,
+                last_costs=last,
+                memory_budget=memory_budget,
+                p2p=p2p,
+                tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
+            )
+        )
+    except MemoryBudgetExceeded as e:
+        refused.append(e)
 
 
 def _shared_bytes(a: nn.Module, b: nn.Module) -> int:
@@ -435,22 +455,9 @@ def plan_llama_split(
             _Piece(pieces[-1], hidden, None, lambda out, labels=labels: loss_fn(out, labels), None)
         )
         first, *layers, last = _measure(parts, reps, threads)
-        try:
-            plans.append(
-                plan_stages(
-                    layers,
-                    num_stages,
-                    num_microbatches=m,
-                    schedule=schedule,
-                    first_costs=first,
-                    last_costs=last,
-                    memory_budget=memory_budget,
-                    p2p=p2p,
-                    tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
-                )
-            )
-        except MemoryBudgetExceeded as e:
-            refused.append(e)
+        _plan_one(
+            plans, refused, layers, first, last, pieces, num_stages, m, schedule, memory_budget, p2p
+        )
     return _best(plans, refused)
 
 
