@@ -42,7 +42,7 @@ import torch.distributed as dist
 from graphpipe.errors import PipelineError
 
 from .status import Blocked, ProcessStatus, patience
-from .store import JobStore
+from .store import JobStore, first_line
 
 __all__ = ["PipelineConfig", "join", "pipeline_config"]
 
@@ -229,7 +229,7 @@ def refuse(
     configuration its own checks found wrong). Its join key says so, so that every rank
     waiting in ``join`` raises at once, naming this rank and its error, instead of waiting
     for the timeout (a rank that already gave up on this one keeps its mark)."""
-    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    text = f"{type(exc).__name__}: {first_line(exc)}"
     store.compare_set(
         f"{key}/join/{rank}", "", f"{_GAVE_UP}{_name(rank, global_ranks)} could not {what}: {text}"
     )

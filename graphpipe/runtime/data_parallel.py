@@ -72,18 +72,17 @@ from torch import nn
 from graphpipe.roles import ExpertGroups, is_expert
 
 from .accumulation import GradSync, divide_existing
-from .config import join, refuse
+from .config import join
 from .context import RankContext
 from .faults import CommFailure, FaultNotices, Faults
-from .groups import store_key
+from .groups import refuse_to_join, store_key
 from .program import Program
-from .store import JobStore
 from .tensors import grad_or_zeros, local_shard
 
 if TYPE_CHECKING:
     from graphpipe.nvtx import Ranges
 
-__all__ = ["DataParallel", "check_stage_wrappers", "refuse_setup", "setup_key"]
+__all__ = ["DataParallel", "check_stage_wrappers", "refuse_setup"]
 
 _CHECK_S = 0.05  # how often a rank waiting on the other replicas looks for a failure notice
 
@@ -129,25 +128,14 @@ def check_stage_wrappers(stages: Sequence[nn.Module], stage_ids: Sequence[int]) 
                 )
 
 
-def setup_key(dp_ranks: Sequence[int]) -> str:
-    """The store key of one data-parallel setup over the global ``dp_ranks`` (each member
-    takes it once per pipeline it builds with that group, joining or refusing)."""
-    return store_key(dp_ranks, "dp-setup")
+_SETUP = "dp-setup"  # the store-key kind of the data-parallel setup's join
 
 
 def refuse_setup(dp_group: Any, exc: BaseException) -> None:
     """This rank will not take part in the data-parallel setup over ``dp_group`` (its
     construction failed first, ``exc``): the members waiting in the setup's join raise at
     once, naming this rank and ``exc``."""
-    if dist.get_world_size(dp_group) < 2:
-        return
-    ranks = dist.get_process_group_ranks(dp_group)
-    key = setup_key(ranks)
-    try:
-        store = JobStore(dist.distributed_c10d._get_default_store())
-        refuse(store, key, dist.get_rank(dp_group), ranks, exc, "build its pipeline")
-    except Exception:  # the store is gone: the members find that out themselves
-        pass
+    refuse_to_join(dp_group, exc, _SETUP, "build its pipeline")
 
 
 class _Bucket:
@@ -238,7 +226,7 @@ class DataParallel:
             dp_ranks = dist.get_process_group_ranks(dp_group)
             join(
                 store,
-                setup_key(dp_ranks),
+                store_key(dp_ranks, _SETUP),
                 dist.get_rank(dp_group),
                 dp_ranks,
                 faults.timeout_s if faults.timeout_s is not None else 300.0,
@@ -278,10 +266,13 @@ class DataParallel:
         alpha = self.size / self.divisor
         e_alpha = (dist.get_world_size(self.expert_group) if apart else 0) / self.divisor
         self._existing = [
-            *((p, alpha) for bs in self.buckets.values() for b in bs for p in b.params),
-            *((p, e_alpha) for bs in self.expert_buckets.values() for b in bs for p in b.params),
+            (p, a)
+            for buckets, a in ((self.buckets, alpha), (self.expert_buckets, e_alpha))
+            if a != 1.0
+            for bs in buckets.values()
+            for b in bs
+            for p in b.params
         ]
-        self._existing = [(p, a) for p, a in self._existing if a != 1.0]
         if self._existing:
             self.grad_sync.add(program, self.divide_existing)
         for li in sorted(at, key=lambda li: (at[li], li)):

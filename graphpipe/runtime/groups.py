@@ -61,19 +61,21 @@ def store_key(global_ranks: Sequence[int], kind: str = "") -> str:
     return f"graphpipe/{kind + '/' if kind else ''}{ranks}/{_created[kind, ranks]}"
 
 
-def refuse_to_join(group: Any, exc: BaseException) -> None:
-    """A pipeline over ``group`` that this rank will not build (``exc``, raised by its own
-    checks before the ranks join): its peers, waiting in the join, raise at once naming this
-    rank and ``exc``. Takes the pipeline's key as ``PipelineGroups`` would (the same on every
-    member); a lost store, or one rank alone, leaves nothing to tell."""
+def refuse_to_join(
+    group: Any, exc: BaseException, kind: str = "", what: str = "build the pipeline"
+) -> None:
+    """A join over ``group`` that this rank will not take (``exc``, raised by its own checks
+    first): the members waiting in it raise at once naming this rank and ``exc``. Takes the
+    join's key as its owner would (``store_key(ranks, kind)``: the pipeline's for ``kind``
+    "", the same on every member); a lost store, or one rank alone, leaves nothing to tell."""
     if group is None or dist.get_world_size(group) < 2:
         return
-    ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-    key = store_key(ranks)
+    ranks = dist.get_process_group_ranks(group)
+    key = store_key(ranks, kind)
     try:
         store = JobStore(dist.distributed_c10d._get_default_store())
-        refuse(store, key, dist.get_rank(group), ranks, exc)
-    except Exception:  # the store is gone: the peers find that out themselves
+        refuse(store, key, dist.get_rank(group), ranks, exc, what)
+    except Exception:  # the store is gone: the members find that out themselves
         pass
 
 
