@@ -91,7 +91,7 @@ class ShardedStages:
     """The FSDP2 stages of one pipeline rank (see the module doc).
 
     ctx: the rank. train / infer: the training and inference programs. loss_reduction:
-    ``"mean"`` or ``"sum"``. capture: the pipeline's capture mode (None: eager).
+    ``"mean"`` or ``"sum"``. The capture policy is checked before (``check_fsdp``).
     """
 
     name = "fsdp"
@@ -102,7 +102,6 @@ class ShardedStages:
         train: Program,
         infer: Program,
         loss_reduction: str,
-        capture: str | None,
         grad_sync: GradSync | None = None,
     ) -> None:
         self.grad_sync = grad_sync if grad_sync is not None else GradSync()

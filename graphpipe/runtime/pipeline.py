@@ -169,238 +169,200 @@ class Pipeline:
         loss_reduction: str = "mean",
     ) -> None:
         self._join_taken = self._dp_join_taken = False
-        try:
-            self._construct(
-                stages,
-                schedule,
-                num_microbatches,
-                loss_fn,
-                group,
-                use_nvtx,
-                per_edge_groups,
-                capture,
-                recapture,
-                capture_optimizer,
-                costs,
-                receives,
-                timeout,
-                dp_group,
-                defer_weight_grads,
-                clip_grad_norm,
-                clip_norm_type,
-                expert_groups,
-                loss_reduction,
+        with self._peers_told(group, dp_group):  # a failure here is told at their joins
+            check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
+            self.loss_reduction = loss_reduction
+            distributed = dist.is_available() and dist.is_initialized()
+            if not distributed and group is not None:
+                raise ValueError("group was given but torch.distributed is not initialized")
+            self.group = group if group is not None or not distributed else dist.group.WORLD
+            nccl = distributed and dist.get_backend(self.group) == "nccl"
+            self.receives = resolve_receives(receives, nccl)
+            self.rank = dist.get_rank(self.group) if distributed else 0
+            self.num_ranks = n = dist.get_world_size(self.group) if distributed else 1
+            self.num_microbatches = m = num_microbatches
+            self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
+            self.stage_ids = self.placement.stages_of(self.rank)
+            check_stages(stages, self.stage_ids, self.rank, self.schedule_name)
+            check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
+            self.modules = tuple(stages)
+            self.loss_fn = loss_fn
+            check = getattr(loss_fn, "check_labels", None)  # graphpipe.models.causal_lm_loss's
+            self._check_labels = (
+                functools.partial(check, num_microbatches=m, loss_reduction=loss_reduction)
+                if callable(check)
+                else None
             )
-        except Exception as e:  # the peers waiting in a join are told at once, by name
-            self._refuse_peers(e, group, dp_group)
-            raise
-
-    def _refuse_peers(self, exc: BaseException, group: Any, dp_group: Any) -> None:
-        """This rank failed to construct: the joins it has not taken yet (the pipeline's,
-        the data-parallel setup's) say so, naming ``exc``, so that no peer waits in one for
-        the timeout or goes on to a collective this rank never enters."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if not self._join_taken:
-            refuse_to_join(group if group is not None else dist.group.WORLD, exc)
-        if dp_group is not None and not self._dp_join_taken:
-            refuse_setup(dp_group, exc)
-
-    def _construct(
-        self,
-        stages: Any,
-        schedule: Any,
-        num_microbatches: Any,
-        loss_fn: Any,
-        group: Any,
-        use_nvtx: Any,
-        per_edge_groups: Any,
-        capture: Any,
-        recapture: Any,
-        capture_optimizer: Any,
-        costs: Any,
-        receives: Any,
-        timeout: Any,
-        dp_group: Any,
-        defer_weight_grads: Any,
-        clip_grad_norm: Any,
-        clip_norm_type: Any,
-        expert_groups: Any,
-        loss_reduction: Any,
-    ) -> None:
-        check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
-        self.loss_reduction = loss_reduction
-        distributed = dist.is_available() and dist.is_initialized()
-        if not distributed and group is not None:
-            raise ValueError("group was given but torch.distributed is not initialized")
-        self.group = group if group is not None or not distributed else dist.group.WORLD
-        nccl = distributed and dist.get_backend(self.group) == "nccl"
-        self.receives = resolve_receives(receives, nccl)
-        self.rank = dist.get_rank(self.group) if distributed else 0
-        self.num_ranks = n = dist.get_world_size(self.group) if distributed else 1
-        self.num_microbatches = m = num_microbatches
-        self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
-        self.stage_ids = self.placement.stages_of(self.rank)
-        check_stages(stages, self.stage_ids, self.rank, self.schedule_name)
-        check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
-        self.modules = tuple(stages)
-        self.loss_fn = loss_fn
-        check = getattr(loss_fn, "check_labels", None)  # graphpipe.models.causal_lm_loss's
-        self._check_labels = (
-            functools.partial(check, num_microbatches=m, loss_reduction=loss_reduction)
-            if callable(check)
-            else None
-        )
-        self.last_stage = self.placement.last_stage
-        self.input_rank = self.placement.rank_of(0)
-        self.loss_rank = self.placement.rank_of(self.last_stage)
-        self.is_input_rank = self.rank == self.input_rank
-        self.is_loss_rank = self.rank == self.loss_rank
-        self._ranges = Ranges(use_nvtx)
-        self.device = infer_device(stages, self.group)
-        ctx = RankContext(
-            group=self.group if distributed else None,
-            rank=self.rank,
-            num_ranks=n,
-            global_ranks=tuple(dist.get_global_rank(self.group, r) for r in range(n))
-            if distributed
-            else (0,),
-            device=self.device,
-            modules=self.modules,
-            stage_ids=tuple(self.stage_ids),
-            num_microbatches=m,
-            input_rank=self.input_rank,
-            loss_rank=self.loss_rank,
-        )
-        self.context = ctx
-        if distributed:  # before any collective: an overlapping group would deadlock a step
-            check_disjoint_groups(
-                self.modules, ctx.global_ranks, self.rank, dp_group, expert_groups
-            )
-        split_flags = [[False] * m for _ in self.stage_ids]
-        local = {s: i for i, s in enumerate(self.stage_ids)}
-        for cell in self.schedule[self.rank]:
-            for part in cell.parts():
-                if part.op is Op.I:
-                    split_flags[local[part.stage]][part.microbatch] = True
-        self.runner = runner = StageRunner(
-            self.modules,
-            self.stage_ids,
-            self.last_stage,
-            m,
-            loss_fn,
-            self.device,
-            split_flags,
-            defer_weight_grads,
-        )
-        self.stores = runner.stores
-        self.num_deferrable = runner.num_deferrable
-        durations = costs.of if costs is not None else None
-        latency = costs.p2p if costs is not None else 0.0
-        lowered = lower(
-            self.schedule,
-            self.placement,
-            durations=durations,
-            latency=latency,
-            receives=self.receives,
-        )
-        train_transfers = transfers(lowered, self.placement)
-        infer_lowered = lower(forward_only(self.schedule), self.placement, receives=self.receives)
-        infer_transfers = transfers(infer_lowered, self.placement)
-        edges = {(t.src, t.dst) for t in train_transfers}
-        # What every rank must agree on, joined in the store before any group is built
-        # (runtime/config.py: a mismatch or a rank that does not come raises on every rank).
-        # Without torch.distributed there is nothing to agree on (and dp_group is refused).
-        config = None
-        if distributed:
-            config = pipeline_config(
-                schedule_name=self.schedule_name,
-                schedule=self.schedule,
-                placement=self.placement,
+            self.last_stage = self.placement.last_stage
+            self.input_rank = self.placement.rank_of(0)
+            self.loss_rank = self.placement.rank_of(self.last_stage)
+            self.is_input_rank = self.rank == self.input_rank
+            self.is_loss_rank = self.rank == self.loss_rank
+            self._ranges = Ranges(use_nvtx)
+            self.device = infer_device(stages, self.group)
+            ctx = RankContext(
+                group=self.group if distributed else None,
+                rank=self.rank,
+                num_ranks=n,
+                global_ranks=tuple(dist.get_global_rank(self.group, r) for r in range(n))
+                if distributed
+                else (0,),
+                device=self.device,
+                modules=self.modules,
+                stage_ids=tuple(self.stage_ids),
                 num_microbatches=m,
+                input_rank=self.input_rank,
+                loss_rank=self.loss_rank,
+            )
+            self.context = ctx
+            if distributed:  # before any collective: an overlapping group would deadlock a step
+                check_disjoint_groups(
+                    self.modules, ctx.global_ranks, self.rank, dp_group, expert_groups
+                )
+            split_flags = [[False] * m for _ in self.stage_ids]
+            local = {s: i for i, s in enumerate(self.stage_ids)}
+            for cell in self.schedule[self.rank]:
+                for part in cell.parts():
+                    if part.op is Op.I:
+                        split_flags[local[part.stage]][part.microbatch] = True
+            self.runner = runner = StageRunner(
+                self.modules,
+                self.stage_ids,
+                self.last_stage,
+                m,
+                loss_fn,
+                self.device,
+                split_flags,
+                defer_weight_grads,
+            )
+            self.stores = runner.stores
+            self.num_deferrable = runner.num_deferrable
+            durations = costs.of if costs is not None else None
+            latency = costs.p2p if costs is not None else 0.0
+            lowered = lower(
+                self.schedule,
+                self.placement,
+                durations=durations,
+                latency=latency,
                 receives=self.receives,
-                per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
-                capture=CAPTURE_MODES[capture],
-                loss_reduction=loss_reduction,
-                dp_group=dp_group,
-                expert_groups=expert_groups,
-                clip_grad_norm=clip_grad_norm,
-                clip_norm_type=clip_norm_type,
-                costs=costs,
             )
-        # Every check that needs no peer runs before the join: a rank that refuses tells the
-        # others there (``_refuse_peers``), and none of them enters a collective without it.
-        check_expert_groups(self.modules, expert_groups)
-        check_fsdp(self.modules, CAPTURE_MODES[capture], dp_group)
-        check_capture_optimizer(capture_optimizer, capture, self.device)
-        if clip_grad_norm is not None:
-            check_clip_args(clip_grad_norm, clip_norm_type)
-        self._join_taken = True  # PipelineGroups takes the pipeline's key and joins
-        self.groups = groups = PipelineGroups(
-            self.group if distributed else None,
-            edges,
-            per_edge_groups,
-            datetime.timedelta(seconds=seconds(timeout)),
-            config,
-        )
-        self.engine = engine = CommEngine(
-            runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
-        )
-        self._faults = faults = Faults(
-            FaultNotices(groups.store, groups.key, self.rank), groups, self.rank
-        )
-        self.program = compile_program(
-            lowered[self.rank], train_transfers, self.placement, self.rank, runner, engine
-        )
-        self._infer = compile_program(
-            infer_lowered[self.rank], infer_transfers, self.placement, self.rank, runner, engine
-        )
-        # Parts that run inside the training step as instructions of its program.
-        self.expert_groups = check_expert_groups(self.modules, expert_groups)
-        self.capture = CAPTURE_MODES[capture]
-        self.grad_sync = grad_sync = GradSync()  # accumulation across calls, no_sync
-        self.fsdp = ShardedStages(
-            ctx, self.program, self._infer, loss_reduction, self.capture, grad_sync
-        )
-        self._dp_join_taken = True  # DataParallel joins its group's setup first
-        self.data_parallel = (
-            DataParallel(
-                ctx,
-                self.program,
-                self._ranges,
-                faults,
-                dp_group,
-                expert_groups=expert_groups,
-                loss_reduction=loss_reduction,
-                managed=self.fsdp.managed,
-                grad_sync=grad_sync,
+            train_transfers = transfers(lowered, self.placement)
+            infer_lowered = lower(
+                forward_only(self.schedule), self.placement, receives=self.receives
             )
-            if dp_group is not None
-            else None
-        )
-        # after the dp reductions, before clipping
-        self.tied = TiedWeights(ctx, self.program, grad_sync)
-        self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
-        self._clips = clip_grad_norm is not None
-        self._deferral_checked = False  # _check_deferral after the first step
-        if self._clips:
-            self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type, grad_sync)
-        self._agreement = BatchAgreement(
-            groups, self.rank, n, self.input_rank, self.loss_rank, m, float_dtype(self.modules[0])
-        )
-        self._loss_dtype = loss_dtype(self.modules)
-        self.loss = LossReducer(ctx, runner, faults, loss_reduction)
-        if self.data_parallel is not None:
-            self.loss.average = self.data_parallel.average_loss
-        self.optimizer = capture_optimizer
-        self._loop = StepLoop(
-            ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
-        )
-        mode = self.capture or "step"
-        self._capture = CaptureDriver(
-            ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture
-        )
-        keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
+            infer_transfers = transfers(infer_lowered, self.placement)
+            edges = {(t.src, t.dst) for t in train_transfers}
+            # What every rank must agree on, joined in the store before any group is built
+            # (runtime/config.py: a mismatch or a rank that does not come raises on every rank).
+            # Without torch.distributed there is nothing to agree on (and dp_group is refused).
+            config = None
+            if distributed:
+                config = pipeline_config(
+                    schedule_name=self.schedule_name,
+                    schedule=self.schedule,
+                    placement=self.placement,
+                    num_microbatches=m,
+                    receives=self.receives,
+                    per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
+                    capture=CAPTURE_MODES[capture],
+                    loss_reduction=loss_reduction,
+                    dp_group=dp_group,
+                    expert_groups=expert_groups,
+                    clip_grad_norm=clip_grad_norm,
+                    clip_norm_type=clip_norm_type,
+                    costs=costs,
+                )
+            # Every check that needs no peer runs before the join: a rank that refuses tells the
+            # others there (``_peers_told``), and none of them enters a collective without it.
+            self.expert_groups = check_expert_groups(self.modules, expert_groups)
+            check_fsdp(self.modules, CAPTURE_MODES[capture], dp_group)
+            check_capture_optimizer(capture_optimizer, capture, self.device)
+            if clip_grad_norm is not None:
+                check_clip_args(clip_grad_norm, clip_norm_type)
+            self._join_taken = True  # PipelineGroups takes the pipeline's key and joins
+            self.groups = groups = PipelineGroups(
+                self.group if distributed else None,
+                edges,
+                per_edge_groups,
+                datetime.timedelta(seconds=seconds(timeout)),
+                config,
+            )
+            self.engine = engine = CommEngine(
+                runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
+            )
+            self._faults = faults = Faults(
+                FaultNotices(groups.store, groups.key, self.rank), groups, self.rank
+            )
+            self.program = compile_program(
+                lowered[self.rank], train_transfers, self.placement, self.rank, runner, engine
+            )
+            self._infer = compile_program(
+                infer_lowered[self.rank], infer_transfers, self.placement, self.rank, runner, engine
+            )
+            # Parts that run inside the training step as instructions of its program.
+            self.capture = CAPTURE_MODES[capture]
+            self.grad_sync = grad_sync = GradSync()  # accumulation across calls, no_sync
+            self.fsdp = ShardedStages(ctx, self.program, self._infer, loss_reduction, grad_sync)
+            self._dp_join_taken = True  # DataParallel joins its group's setup first
+            self.data_parallel = (
+                DataParallel(
+                    ctx,
+                    self.program,
+                    self._ranges,
+                    faults,
+                    dp_group,
+                    expert_groups=expert_groups,
+                    loss_reduction=loss_reduction,
+                    managed=self.fsdp.managed,
+                    grad_sync=grad_sync,
+                )
+                if dp_group is not None
+                else None
+            )
+            # after the dp reductions, before clipping
+            self.tied = TiedWeights(ctx, self.program, grad_sync)
+            self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
+            self._clips = clip_grad_norm is not None
+            self._deferral_checked = False  # _check_deferral after the first step
+            if self._clips:
+                self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type, grad_sync)
+            self._agreement = BatchAgreement(
+                groups,
+                self.rank,
+                n,
+                self.input_rank,
+                self.loss_rank,
+                m,
+                float_dtype(self.modules[0]),
+            )
+            self._loss_dtype = loss_dtype(self.modules)
+            self.loss = LossReducer(ctx, runner, faults, loss_reduction)
+            if self.data_parallel is not None:
+                self.loss.average = self.data_parallel.average_loss
+            self.optimizer = capture_optimizer
+            self._loop = StepLoop(
+                ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
+            )
+            mode = self.capture or "step"
+            self._capture = CaptureDriver(
+                ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture
+            )
+            keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
+
+    @contextlib.contextmanager
+    def _peers_told(self, group: Any, dp_group: Any) -> Iterator[None]:
+        """Construction: when it fails on this rank, the joins it has not taken yet (the
+        pipeline's, the data-parallel setup's) say so, naming the error, so that no peer
+        waits in one for the timeout or goes on to a collective this rank never enters."""
+        try:
+            yield
+        except Exception as e:
+            if dist.is_available() and dist.is_initialized():
+                if not self._join_taken:
+                    refuse_to_join(group if group is not None else dist.group.WORLD, e)
+                if dp_group is not None and not self._dp_join_taken:
+                    refuse_setup(dp_group, e)
+            raise
 
     # ------------------------------------------------------------------ steps
     def step(
