@@ -29,6 +29,7 @@ __all__ = [
     "latest_checkpoint",
     "marker_of",
     "read_marker",
+    "resolve_checkpoint",
     "step_dirs",
     "verify_checkpoint",
     "verify_files",
@@ -228,3 +229,20 @@ def find_resumable(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Pat
             continue
         return path, skipped
     return None, skipped
+
+
+def resolve_checkpoint(
+    path: str | os.PathLike,
+) -> tuple[Path | None, list[tuple[Path, str]], str | None]:
+    """What a command's checkpoint argument names: a checkpoint itself (it holds the marker or
+    DCP's ``.metadata``), or a root whose newest checkpoint that verifies is meant
+    (``find_resumable``). Returns ``(checkpoint, newer ones skipped with why, None)``, or
+    ``(None, skipped, why there is none)``."""
+    path = Path(path)
+    if (path / MARKER).exists() or (path / DCP_METADATA).exists():
+        return path, [], None
+    found, skipped = find_resumable(path)
+    if found is None:
+        what = "verifies" if skipped else "is there (no step-N directory)"
+        return None, skipped, f"{path}: no checkpoint {what}"
+    return found, skipped, None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from graphpipe.outputs import check_output_file
@@ -101,17 +100,14 @@ def run(args: argparse.Namespace) -> int:
         return _fail(problem, 2)
     import torch
 
-    from .checkpoint import MARKER, export_state_dict, find_resumable
+    from .checkpoint import export_state_dict
+    from .checkpoint_files import resolve_checkpoint
 
-    path = Path(args.dir)
-    if not ((path / MARKER).exists() or (path / ".metadata").exists()):
-        found, skipped = find_resumable(path)
-        for p, why in skipped:
-            print(f"{_PROG}: skipped {p}: {why}", file=sys.stderr)
-        if found is None:
-            what = "verifies" if skipped else "is there (no step-N directory)"
-            return _fail(f"{path}: no checkpoint {what}", 1)
-        path = found
+    path, skipped, missing = resolve_checkpoint(args.dir)
+    for p, why in skipped:
+        print(f"{_PROG}: skipped {p}: {why}", file=sys.stderr)
+    if path is None:
+        return _fail(missing, 1)
     try:
         state = export_state_dict(path)
     except (OSError, ValueError) as e:

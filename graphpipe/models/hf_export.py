@@ -217,18 +217,14 @@ def run_cli(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"{_PROG}: error: {problem}", file=sys.stderr)
         return 2
-    from graphpipe.checkpoint import MARKER, find_resumable
+    from graphpipe.checkpoint_files import resolve_checkpoint
 
-    path = Path(args.dir)
-    if not ((path / MARKER).exists() or (path / ".metadata").exists()):
-        found, skipped = find_resumable(path)
-        for p, why in skipped:
-            print(f"{_PROG}: skipped {p}: {why}", file=sys.stderr)
-        if found is None:
-            what = "verifies" if skipped else "is there (no step-N directory)"
-            print(f"{_PROG}: error: {path}: no checkpoint {what}", file=sys.stderr)
-            return 1
-        path = found
+    path, skipped, missing = resolve_checkpoint(args.dir)
+    for p, why in skipped:
+        print(f"{_PROG}: skipped {p}: {why}", file=sys.stderr)
+    if path is None:
+        print(f"{_PROG}: error: {missing}", file=sys.stderr)
+        return 1
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the command's output is its one line
