@@ -57,7 +57,14 @@ from graphpipe.schedules import SCHEDULES, ScheduleKind
 from graphpipe.splits import check_layers_per_stage, layers_per_stage
 from graphpipe.timing import cell_times
 
-__all__ = ["AUTO_SCHEDULES", "LayerCost", "MemoryBudgetExceeded", "StagePlan", "plan_stages"]
+__all__ = [
+    "AUTO_SCHEDULES",
+    "LayerCost",
+    "MemoryBudgetExceeded",
+    "StagePlan",
+    "plan_stages",
+    "predict_step",
+]
 
 AUTO_SCHEDULES = ("dualpipev", "zbv")
 """What ``schedule="auto"`` chooses among: the schedules that place two stages on each rank
@@ -710,3 +717,36 @@ def _plan(model: _Model, memory_budget: float | None) -> StagePlan:
         memory_budget=None if memory_budget is None else round(memory_budget),
         simulations=len(search.cache),
     )
+
+
+def predict_step(
+    stage_costs: Sequence[Costs], *, num_microbatches: int, schedule: str = "dualpipev"
+) -> float:
+    """The simulated step of a split given by each stage's costs (``StagePlan.stage_costs``,
+    or costs measured some other way; ``p2p`` is the first stage's), by the same dataflow
+    timing the planner judges splits with: what ``StagePlan.predicted_step_s`` is for the
+    plan's own costs."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
+    kind = SCHEDULES[schedule]
+    n = len(stage_costs)
+    if not n or n % kind.stages_per_rank:
+        raise ValueError(
+            f"{schedule} places {kind.stages_per_rank} stages on each rank: got {n} stage costs"
+        )
+    layers = [
+        LayerCost(forward=c.F, backward_input=c.I, backward_weight=c.W, backward=c.B)
+        for c in stage_costs
+    ]
+    none = LayerCost(forward=0.0, backward_input=0.0, backward_weight=0.0)
+    model = _Model(
+        kind,
+        n // kind.stages_per_rank,
+        num_microbatches,
+        layers,
+        none,
+        none,
+        stage_costs[0].p2p,
+        0,
+    )
+    return model.makespan(model.stage_vectors([1] * n))

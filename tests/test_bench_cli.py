@@ -141,6 +141,9 @@ def test_host_overhead_and_simulation_figures(result: tuple[dict, Path, str]) ->
             assert 0 <= pred["bubble_fraction"] < 1
         rec = sim["measured"]["recorded_step"]
         assert rec["makespan_s"] > 0
+        slow = sim["measured"]["in_step_over_alone_per_rank"]
+        assert len(slow) == data["config"]["ranks"] and all(x > 0 for x in slow)
+        assert "with_p2p_mean_and_in_step_costs" in sim["predictions"]
         labels = {r["label"] for r in reg["timeline"]}
         assert "step" in labels and any(lbl.endswith("F0") for lbl in labels)
 
@@ -244,3 +247,20 @@ def test_synthetic_regime_rejects_bad_costs(capsys) -> None:
         _parse(["--regime", "synthetic", "--costs", "F=fast"])
     assert info.value.code == 2
     assert "bad cost 'F=fast'" in capsys.readouterr().err
+
+
+def test_in_step_slowdown_sets_each_ranks_actions_against_their_costs_alone() -> None:
+    from graphpipe.bench.costs import in_step_slowdown
+
+    costs = [{"F": 2.0, "B": 4.0, "I": 2.0, "W": 2.0}, {"F": 2.0, "B": 4.0, "I": 2.0, "W": 2.0}]
+    # mean per stage over 4 stages: F=1, B=2, I=1, W=1
+    records = [
+        {"rank": 0, "label": "step", "start": 0.0, "end": 10.0},
+        {"rank": 0, "label": "0F0", "start": 0.0, "end": 1.5},  # 1.5 for 1
+        {"rank": 0, "label": "(0F1;3B0)OVERLAP_F_B", "start": 2.0, "end": 6.5},  # 4.5 for 3
+        {"rank": 0, "label": "wait 3RECV_F0", "start": 6.5, "end": 9.0},  # not compute
+        {"rank": 1, "label": "1I0", "start": 0.0, "end": 1.0},  # 1 for 1
+        {"rank": 1, "label": "1W0", "start": 1.0, "end": 2.0},  # 1 for 1
+    ]
+    assert in_step_slowdown(records, 2, costs) == [6.0 / 4.0, 1.0]
+    assert in_step_slowdown(records[:1], 2, costs) == [0.0, 0.0]

@@ -231,3 +231,32 @@ def test_a_plan_prints_beside_the_even_split_and_as_json_data() -> None:
     data = plan.as_dict()
     assert data["layers_per_stage"] == [4, 2] and data["even_predicted_step_s"] == 69.0
     assert data["stage_costs"][0] == {"F": 4.0, "B": 8.0, "I": 4.0, "W": 4.0, "p2p": 0.0}
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "zbv", "1f1b"])
+def test_predict_step_of_a_plans_stage_costs_is_its_prediction(schedule: str) -> None:
+    from dataclasses import replace
+
+    from graphpipe.planner import predict_step
+
+    layer = LayerCost(forward=1.0, backward_input=1.5, backward_weight=0.5)
+    head = LayerCost(forward=6.0, backward_input=6.0, backward_weight=6.0)
+    plan = plan_stages([layer] * 10, 4, num_microbatches=8, schedule=schedule, last_costs=head)
+    assert predict_step(plan.stage_costs, num_microbatches=8, schedule=schedule) == (
+        plan.predicted_step_s
+    )
+    assert predict_step(plan.even_stage_costs, num_microbatches=8, schedule=schedule) == (
+        plan.even_predicted_step_s
+    )
+    # without latency the step scales with the costs (a power of two: exact in binary)
+    doubled = [replace(c, F=2 * c.F, B=2 * c.B, I=2 * c.I, W=2 * c.W) for c in plan.stage_costs]
+    assert predict_step(doubled, num_microbatches=8, schedule=schedule) == 2 * plan.predicted_step_s
+
+
+def test_predict_step_refuses_a_stage_count_the_schedule_cannot_place() -> None:
+    from graphpipe.planner import predict_step
+
+    with pytest.raises(ValueError, match="2 stages on each rank: got 3 stage costs"):
+        predict_step([Costs()] * 3, num_microbatches=8)
+    with pytest.raises(ValueError, match="unknown schedule 'nope'"):
+        predict_step([Costs()] * 4, num_microbatches=8, schedule="nope")

@@ -37,6 +37,9 @@ mode. Methods, so that a reader can judge the figures:
   ``simulate(lower(dualpipev), placement, costs)`` predicts the makespan and the bubble,
   compared with the measured median step and with the bubble of one recorded step (per-action
   start/end taken by standing in for the executor's range emitter, ``DualPipeV.ranges``).
+  Each rank's actions in that recorded step are set against the same actions' costs alone
+  (``in_step_slowdown``: above 1 where the ranks' compute and gloo's threads share cores),
+  and one more prediction multiplies every cost by the worst rank's factor.
   ``--plot`` draws that recorded timeline above the simulated one (SVG).
 
 Timings on a shared machine are noisy: read medians and spreads, repeat runs.

@@ -15,7 +15,7 @@ from torch import nn
 from .measure import wall_time
 from .workloads import Workload
 
-__all__ = ["measured_bubble", "p2p_cost", "simulation", "stage_costs"]
+__all__ = ["in_step_slowdown", "measured_bubble", "p2p_cost", "simulation", "stage_costs"]
 
 
 class _StageTimer:
@@ -112,9 +112,12 @@ def simulation(
     per_rank_costs: list[dict[str, float]],
     p2p: dict[str, float],
     host_per_action: float | None,
+    slowdown: float | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Costs (mean over stages) -> simulated makespan and bubble, in variants: compute only,
-    plus the median or the mean P2P exchange per batch, plus the host overhead per action.
+    plus the median or the mean P2P exchange per batch, plus the host overhead per action,
+    and (``slowdown``: ``in_step_slowdown``'s worst rank) the mean P2P with every cost
+    multiplied by how much slower the actions ran inside the recorded step than alone.
     Also returns the ``SimResult`` of the mean-P2P variant (for the plot)."""
     from graphpipe.lower import lower
     from graphpipe.schedules import SCHEDULES
@@ -132,6 +135,10 @@ def simulation(
         h = max(host_per_action, 0.0)
         variants["with_p2p_mean_and_host_overhead"] = Costs(
             **{k: v + h for k, v in mean.items()}, p2p=p2p["mean_s"]
+        )
+    if slowdown is not None:
+        variants["with_p2p_mean_and_in_step_costs"] = Costs(
+            **{k: v * slowdown for k, v in mean.items()}, p2p=p2p["mean_s"]
         )
     out: dict[str, Any] = {"costs_s": mean, "p2p": p2p, "predictions": {}}
     picture = None
@@ -168,3 +175,35 @@ def measured_bubble(records: list[dict[str, Any]], world: int) -> dict[str, Any]
         "bubble_fraction": sum(per_rank) / world,
         "per_rank_bubble": per_rank,
     }
+
+
+def in_step_slowdown(
+    records: list[dict[str, Any]], world: int, per_rank_costs: list[dict[str, float]]
+) -> list[float]:
+    """Per rank: the time its compute actions (F, B, I, W, overlapped pairs as F + B) took in
+    the recorded step over what the measured costs (the mean per stage, as the simulation
+    uses) give the same actions. Above 1: the actions run slower inside the step than
+    alone (the other rank's compute and gloo's threads on the same cores, caches); the
+    rest of the gap to the simulation is waiting. 0 for a rank with no compute recorded."""
+    from graphpipe.ir import Action, Op
+
+    stages = 2 * world
+    mean = {k: sum(c[k] for c in per_rank_costs) / stages for k in "FBIW"}
+
+    def cost(a: Action) -> float:
+        if a.op is Op.OVERLAP_F_B:
+            return sum(cost(s) for s in a.sub or ())
+        return mean.get(a.op.value, 0.0)
+
+    taken = [0.0] * world
+    predicted = [0.0] * world
+    for r in records:
+        if r["label"] == "step":
+            continue
+        try:
+            a = Action.parse(r["label"])
+        except ValueError:
+            continue
+        taken[r["rank"]] += r["end"] - r["start"]
+        predicted[r["rank"]] += cost(a)
+    return [t / p if p > 0 else 0.0 for t, p in zip(taken, predicted, strict=True)]

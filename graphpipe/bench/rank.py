@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .costs import measured_bubble, p2p_cost, simulation, stage_costs
+from .costs import in_step_slowdown, measured_bubble, p2p_cost, simulation, stage_costs
 from .host import host_overhead
 from .measure import (
     control_group,
@@ -106,12 +106,15 @@ def _run_workload(
             f"({stats['median_s'] / eager_median:.2f}x eager)"
         )
     records = [r for g in gathered for r in g["timeline"]]
+    costs = [g["costs"] for g in gathered]
+    slowdown = in_step_slowdown(records, world, costs)
     sim, picture = simulation(
-        w, world, [g["costs"] for g in gathered], gathered[0]["p2p"], host_per_action
+        w, world, costs, gathered[0]["p2p"], host_per_action, max(slowdown) or None
     )
     sim["measured"] = {
         "median_step_s": eager_median,
         "recorded_step": measured_bubble(records, world),
+        "in_step_over_alone_per_rank": slowdown,
     }
     result = {
         "workload": asdict(w),

@@ -68,6 +68,12 @@ def format_report(result: dict[str, Any]) -> str:
             f"measured: median step {meas['median_step_s'] * 1e3:.2f} ms; recorded step "
             f"{rec['makespan_s'] * 1e3:.2f} ms, bubble {rec['bubble_fraction']:.1%}"
         )
+        slow = meas.get("in_step_over_alone_per_rank")
+        if slow:
+            lines.append(
+                "actions inside the recorded step over the stage costs alone, per rank: "
+                + ", ".join(f"{x:.2f}x" for x in slow)
+            )
         for name, p in sim["predictions"].items():
             lines.append(
                 f"simulated ({name}): makespan {p['makespan_s'] * 1e3:.2f} ms "

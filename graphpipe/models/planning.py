@@ -11,12 +11,14 @@ Both measure in this process, one piece at a time (``measure_stage``):
   k layers is predicted as k of those, where the stage builds them once), and the final
   norm, the head and the loss together: the stages ``split_hf_causal_lm(model, L + 2,
   layers_per_stage=[0, 1, ..., 1, 0])`` (``build_stages`` for the built-in model) makes;
-* per piece, ``reps`` rounds after one warm-up round (each round goes over every piece in
-  turn, so that a slow spell of a shared machine falls on all of them alike): the forward
-  (``F``), the full backward (``B``), and the backward split as the pipeline splits it
-  (``graphpipe.weightgrad``: ``I`` computes the input gradient, the weight-gradient GEMMs of
-  every ``nn.Linear`` are deferred to ``W``); per action the fastest round (a busy machine
-  only ever adds time: the least disturbed round is the closest to the piece's own cost);
+* ``reps`` rounds after one warm-up round, each in the order a step runs them: the forward
+  (``F``) of every piece in turn, the full backward (``B``) of every piece in reverse, then
+  the backward split as the pipeline splits it (``graphpipe.weightgrad``: ``I`` computes
+  the input gradient, in reverse, the weight-gradient GEMMs of every ``nn.Linear`` are
+  deferred to ``W``). So a piece's backward finds its weights and activations pushed out of
+  the caches by the other pieces, as in a step, and a slow spell of a shared machine falls
+  on all pieces alike. Per action the median round: the prediction is of a typical step
+  (``profiles/plan_check.py`` holds it against measured ones, docs/planning.md);
 * on the CPU with as many intra-op threads as each rank of the pipeline will have
   (``rank_threads``: the cores over the ranks, as ``graphpipe.launch`` sets them);
 * memory: what autograd saves in the forward (tensors that are not parameters, each storage
@@ -33,6 +35,7 @@ measured on its own micro-batch shape and planned, and the fastest plan that fit
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -148,20 +151,14 @@ class _Piece:
             torch.cuda.synchronize(self.x.device)
         return time.perf_counter() - t0
 
-    def round(self, keep: bool) -> None:
-        """F, B, then F again and I, W; ``keep``: count the times (else a warm-up)."""
-        f = self._timed(self.forward)
-        b = self._timed(self._backward)
-        self.forward(split=True)
-        i = self._timed(self._backward_input)
-        w = self._timed(self._weight)
+    def timed(self, key: str, fn: Callable[[], None], keep: bool) -> None:
+        """Run ``fn`` (one of F, B, I, W); ``keep``: count its time (else a warm-up)."""
+        t = self._timed(fn)
         if keep:
-            for key, value in zip("FBIW", (f, b, i, w)):
-                self.times[key].append(value)
-        self.mod.zero_grad(set_to_none=True)
+            self.times[key].append(t)
 
     def cost(self) -> LayerCost:
-        """The fastest rounds, and the bytes of one more forward (see the module doc)."""
+        """The median rounds, and the bytes of one more forward (see the module doc)."""
         params = {p.untyped_storage().data_ptr() for p in self.mod.parameters()}
         hooks, saved = _saved_bytes(params)
         handles, linear = _linear_bytes(self.mod)
@@ -173,7 +170,7 @@ class _Piece:
                 h.remove()
         self.state.clear()
         self.store.clear()
-        med = {k: min(v) for k, v in self.times.items()}  # noise only ever adds time
+        med = {k: statistics.median(v) for k, v in self.times.items()}
         return LayerCost(
             forward=med["F"],
             backward_input=med["I"],
@@ -186,9 +183,9 @@ class _Piece:
 
 
 def _measure(pieces: list[_Piece], reps: int, threads: int | None = None) -> list[LayerCost]:
-    """One warm-up round, then ``reps`` rounds, each over every piece in turn (so that a
-    slow spell of a shared machine falls on all pieces alike, not on one), with ``threads``
-    intra-op threads (None: torch's setting as it is)."""
+    """One warm-up round, then ``reps`` rounds in a step's order (every piece's F, every B in
+    reverse, every split forward, I in reverse, every W; see the module doc), with
+    ``threads`` intra-op threads (None: torch's setting as it is)."""
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps must be an int >= 1, got reps={reps!r}")
     before = torch.get_num_threads()
@@ -196,8 +193,18 @@ def _measure(pieces: list[_Piece], reps: int, threads: int | None = None) -> lis
         torch.set_num_threads(threads)
     try:
         for rep in range(reps + 1):
+            keep = rep > 0
             for piece in pieces:
-                piece.round(keep=rep > 0)
+                piece.timed("F", piece.forward, keep)
+            for piece in reversed(pieces):
+                piece.timed("B", piece._backward, keep)
+            for piece in pieces:
+                piece.forward(split=True)
+            for piece in reversed(pieces):
+                piece.timed("I", piece._backward_input, keep)
+            for piece in pieces:
+                piece.timed("W", piece._weight, keep)
+                piece.mod.zero_grad(set_to_none=True)
         return [piece.cost() for piece in pieces]
     finally:
         torch.set_num_threads(before)
@@ -239,7 +246,7 @@ def measure_stage(
     parameter_bytes: int | None = None,
 ) -> LayerCost:
     """What one micro-batch ``x`` costs in ``stage`` (a copy of it is measured; see the
-    module doc): F, B, I, W seconds (the fastest of ``reps`` after one warm-up), activation and
+    module doc): F, B, I, W seconds (the median of ``reps`` after one warm-up), activation and
     weight-gradient bytes, and ``parameter_bytes`` (default: twice the stage's parameter
     bytes, for the parameters and their gradients).
 
