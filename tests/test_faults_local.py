@@ -18,9 +18,14 @@ KEY = "graphpipe/0_1_2_3/1"
 TIMED_OUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms")
 
 
+def _groups(**fields) -> SimpleNamespace:
+    """The pipeline groups as ``Faults`` sees them (``report_blocks_to`` takes its status)."""
+    return SimpleNamespace(report_blocks_to=lambda on_block: None, **fields)
+
+
 def _faults(rank: int = 0, n: int = 4, call: int = 3, kind: str = "step"):
     store = JobStore(dist.HashStore(), "global rank 0")
-    groups = SimpleNamespace(global_ranks=list(range(n)), timeout=datetime.timedelta(seconds=2))
+    groups = _groups(global_ranks=list(range(n)), timeout=datetime.timedelta(seconds=2))
     faults = Faults(FaultNotices(store, KEY, rank), groups, rank)
     faults.call, faults.kind = call, kind
     return faults, store
@@ -76,15 +81,17 @@ def test_a_peer_silent_at_a_later_collective_is_lost() -> None:
 
 def test_a_lost_peer_closes_the_pipeline_and_the_lost_rank_learns_it() -> None:
     faults, store = _faults(n=2)
-    groups = SimpleNamespace(
+    groups = _groups(
         global_ranks=[0, 1], timeout=datetime.timedelta(seconds=2), nccl=False, drop=lambda: None
     )
-    faults.groups, faults.action = groups, "wait 3RECV_F1"  # what the step loop records
+    faults.groups = groups
+    faults.doing("wait 3RECV_F1")  # what the step loop records
     error = faults.consequence(CommFailure(1, "wait 3RECV_F1", TIMED_OUT))
     assert type(error).__name__ == "PipelineError"
     assert faults.closed.startswith("pipeline closed: rank 1 was lost in step 3")
     peer = Faults(FaultNotices(store, KEY, 1), groups, 1)  # rank 1, continued later
-    peer.call, peer.action = 3, "wait 0RECV_B1"
+    peer.call = 3
+    peer.doing("wait 0RECV_B1")
     told = peer.consequence(CommFailure(0, "wait 0RECV_B1", RuntimeError("Connection closed")))
     assert type(told).__name__ == "PipelineClosed"
     assert str(told).startswith(

@@ -1,6 +1,7 @@
 """The import graph of the package, built from the source with ``ast``: no cycles, no part
 that imports the package facade, the schedule half's passes one way, a runtime that imports
-nothing from the models and reads no private attribute of another part.
+nothing from the models, reads no private attribute of another part and writes none of
+another part's fields.
 
 What counts as an import of module ``m``: every ``import a.b`` and ``from a.b import c``
 anywhere in ``m`` (at the top, inside functions, under ``try``), relative ones resolved
@@ -253,6 +254,98 @@ def test_no_runtime_part_reads_another_objects_private_attributes() -> None:
             if node.attr not in TORCH_PRIVATES:
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def part_fields(tree: ast.Module) -> set[str]:
+    """The fields of a module's classes: what their methods assign on ``self``, their
+    class-level annotations and ``__slots__``, and their property setters."""
+    out: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            for target in _assigned(node):
+                if isinstance(target.value, ast.Name) and target.value.id == "self":
+                    out.add(target.attr)
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                out.add(node.target.id)
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+            ):
+                if isinstance(node.value, (ast.Tuple, ast.List)):
+                    out |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+            elif isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Attribute) and d.attr == "setter" for d in node.decorator_list
+            ):
+                out.add(node.name)
+    return out
+
+
+def _assigned(node: ast.AST) -> Iterator[ast.Attribute]:
+    """The attributes an assignment statement writes (``a.b = ``, ``a.b += ``, unpacking)."""
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return
+    for target in targets:
+        for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+            if isinstance(t, ast.Attribute):
+                yield t
+
+
+def foreign_field_writes(sources: Mapping[str, str]) -> list[str]:
+    """Writes in one part (a module of ``sources``: ``{name: source}``) of a field of a class
+    of another part. A write on ``self.<part>.x`` is always the other part's; on a bare
+    name (``t.x``) it is one when ``x`` is a field of another part and of none of this
+    module's classes (a part's own records, such as its transfers or buckets, are its own)."""
+    trees = {name: ast.parse(text, name) for name, text in sources.items()}
+    fields = {name: part_fields(tree) for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            for target in _assigned(node):
+                base = target.value
+                if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                    continue
+                owners = sorted(o for o, f in fields.items() if o != name and target.attr in f)
+                on_a_part = isinstance(base, ast.Attribute) and (
+                    isinstance(base.value, ast.Name) and base.value.id == "self"
+                )
+                if owners and (on_a_part or target.attr not in fields[name]):
+                    found.append(
+                        f"{name}:{target.lineno}: {ast.unparse(target)} (a field of "
+                        f"{', '.join(owners)})"
+                    )
+    return found
+
+
+def test_no_runtime_part_writes_another_parts_fields() -> None:
+    """A part changes another part's state only through that part's calls (``begin(...,
+    infer=)``, ``use_metas``, ``doing``, ``set_ranges``, ...), never by assigning its fields:
+    each part owns its state, and a run's mode is a value passed in."""
+    folder = PACKAGES["graphpipe"] / "runtime"
+    sources = {p.name: p.read_text() for p in sorted(folder.glob("*.py"))}
+    assert not foreign_field_writes(sources), foreign_field_writes(sources)
+
+
+def test_foreign_field_writes_are_found_and_own_records_are_not() -> None:
+    sources = {
+        "engine.py": "class Engine:\n    def __init__(self):\n        self.metas = {}\n"
+        "        self.record = False\n"
+        "class Transfer:\n    __slots__ = ('works',)\n",
+        "capture.py": "class Driver:\n    def __init__(self, engine):\n"
+        "        self.engine = engine\n        self.works = []\n"
+        "    def go(self, engine, t):\n"
+        "        engine.record = True\n"  # another part's field on a bare name
+        "        self.engine.metas = {}\n"  # on self.<part>
+        "        t.works = []\n"  # a field of this module's too: its own record
+        "        self.works = [1]\n",
+    }
+    assert foreign_field_writes(sources) == [
+        "capture.py:6: engine.record (a field of engine.py)",
+        "capture.py:7: self.engine.metas (a field of engine.py)",
+    ]
 
 
 def test_no_part_imports_the_package_facade() -> None:

@@ -28,6 +28,7 @@ from graphpipe.runtime.clipping import GradClipper, check_clip_args
 from graphpipe.runtime.context import RankContext
 from graphpipe.runtime.loss import LossReducer
 from graphpipe.runtime.program import Instr, Program, compile_program
+from graphpipe.runtime.stage import StageRunner
 from graphpipe.runtime.step import StepLoop
 from graphpipe.runtime.tied import TiedWeights
 from graphpipe.schedules import dualpipev, one_f_one_b
@@ -422,6 +423,16 @@ class _Transfer:
             raise RuntimeError("peer gone")
 
 
+class _Doing:
+    """What ``Faults`` is told of the step: ``doing(what)``."""
+
+    def __init__(self) -> None:
+        self.action = ""
+
+    def doing(self, what: str) -> None:
+        self.action = what
+
+
 def _loop(log, pending=(), finish_fails=False):
     cleared = []
 
@@ -431,11 +442,11 @@ def _loop(log, pending=(), finish_fails=False):
             raise RuntimeError("send failed")
 
     engine = SimpleNamespace(
-        begin=lambda handshake: log.append(f"begin {handshake}"), finish=finish
+        begin=lambda handshake, sends=None: log.append(f"begin {handshake}"), finish=finish
     )
     store = SimpleNamespace(clear=lambda: cleared.append(1))
     runner = SimpleNamespace(pending_weight_work=lambda: list(pending), stores=[store, store])
-    faults = SimpleNamespace(action="")
+    faults = _Doing()
     ranges = _Ranges(log)
     loop = StepLoop(_ctx(), runner, engine, None, faults, ranges, nccl=False)
     return loop, faults, ranges, cleared
@@ -534,9 +545,10 @@ def test_train_is_a_handshake_step_on_a_new_signature():
     log: list[str] = []
     loop, _, _, _ = _loop(log)
     begun = []
-    loop.runner.infer = False
     loop.runner.keyword_routes = lambda names: SimpleNamespace(used=())
-    loop.runner.begin = lambda mb_in, mb_lab, mb_kw, routes: begun.append((mb_in, mb_lab))
+    loop.runner.begin = lambda mb_in, mb_lab, mb_kw, routes, infer: begun.append(
+        (mb_in, mb_lab, infer)
+    )
     loop.loss = SimpleNamespace(prepare_seed=lambda s: None, reduce=lambda: torch.ones(()))
     loop.engine.staged = False
     program = Program([], [])
@@ -553,7 +565,8 @@ def test_train_is_a_handshake_step_on_a_new_signature():
         "begin False",
         "begin True",
     ]
-    mb_in, mb_lab = begun[0]
+    mb_in, mb_lab, infer = begun[0]
+    assert infer is False  # a training step
     assert [t[0].tolist() for t in mb_in] == [[0.0, 1.0], [2.0, 3.0]]
     assert [t.tolist() for t in mb_lab] == [[0.0, 10.0], [20.0, 30.0]]  # a tensor: unwrapped
 
@@ -571,51 +584,89 @@ class _Scaler:
         return t * 1024
 
 
+class _LossRunner:
+    """The stage runner's side of the loss: the seed it is given, the losses it hands over."""
+
+    def __init__(self) -> None:
+        self.backward_seed = None
+        self.parts: list = []
+        self.taken = 0
+
+    def set_backward_seed(self, seed) -> None:
+        self.backward_seed = seed
+
+    def take_loss_parts(self) -> list:
+        self.taken += 1
+        parts, self.parts = self.parts, []
+        return parts
+
+
 def test_loss_buffers_and_seed():
-    runner = SimpleNamespace()
+    runner = _LossRunner()
     loss = LossReducer(_ctx(m=4), runner, None)
     loss.ensure(torch.float64)
-    assert runner.losses.tolist() == [0.0] * 4 and runner.losses.dtype is torch.float64
-    assert runner.seed.shape == () and loss.out.dtype is torch.float64
-    kept = runner.losses, runner.seed, loss.out
+    assert loss.losses.tolist() == [0.0] * 4 and loss.losses.dtype is torch.float64
+    assert loss.seed.shape == () and loss.out.dtype is torch.float64
+    kept = loss.losses, loss.seed, loss.out
     loss.ensure(torch.float64, frozen=True)  # the same dtype: the same buffers
-    assert (runner.losses, runner.seed, loss.out) == kept
+    assert (loss.losses, loss.seed, loss.out) == kept
     with pytest.raises(ValueError, match=r"the loss dtype changed to torch\.float32 after capture"):
         loss.ensure(torch.float32, frozen=True)
     loss.prepare_seed(None)
-    assert runner.seed.item() == 0.25 and runner.backward_seed is runner.seed
+    assert loss.seed.item() == 0.25 and runner.backward_seed is loss.seed
     scaler = _Scaler()
     loss.prepare_seed(scaler)
     assert runner.backward_seed.item() == 256.0 and scaler.scaled[0].item() == 0.25
-    summed = LossReducer(_ctx(m=4), SimpleNamespace(), None, reduction="sum")
+    summed = LossReducer(_ctx(m=4), _LossRunner(), None, reduction="sum")
     summed.ensure(torch.float32)
     summed.prepare_seed(None)
-    assert summed.runner.seed.item() == 1.0
+    assert summed.seed.item() == 1.0 and summed.runner.backward_seed is summed.seed
 
 
 def test_a_rank_without_the_loss_only_initialises_the_scaler():
-    runner = SimpleNamespace()
+    runner = _LossRunner()
     loss = LossReducer(_ctx(num_ranks=2, rank=1), runner, None)
     loss.ensure(torch.float32)
     scaler = _Scaler()
     loss.prepare_seed(scaler)
     assert [t.item() for t in scaler.scaled] == [0.0]
-    assert runner.seed.item() == 0.0 and not hasattr(runner, "backward_seed")
+    assert loss.seed.item() == 0.0 and runner.backward_seed is None
 
 
 @pytest.mark.parametrize(("reduction", "value"), [("mean", 3.0), ("sum", 12.0)])
 def test_reduce_of_the_micro_batch_losses(reduction, value):
-    runner = SimpleNamespace()
+    runner = _LossRunner()
     loss = LossReducer(_ctx(m=4), runner, None, reduction=reduction)
     loss.ensure(torch.float32)
-    runner.loss_parts = [torch.tensor(v) for v in (1.0, 2.0, 3.0, 6.0)]
+    runner.parts = [torch.tensor(v) for v in (1.0, 2.0, 3.0, 6.0)]
     out = loss.reduce()
     assert out is loss.out and out.item() == value
-    assert runner.losses.tolist() == [1.0, 2.0, 3.0, 6.0]
-    assert runner.loss_parts == [None] * 4
-    loss.average = lambda t: t.div_(4)  # the data-parallel average over the replicas
-    runner.loss_parts = [torch.tensor(v) for v in (1.0, 2.0, 3.0, 6.0)]
-    assert loss.reduce().item() == value / 4
+    assert loss.losses.tolist() == [1.0, 2.0, 3.0, 6.0] and runner.taken == 1
+    replicas = LossReducer(
+        _ctx(m=4), runner, None, reduction=reduction, average=lambda t: t.div_(4)
+    )  # the data-parallel average over the replicas
+    replicas.ensure(torch.float32)
+    runner.parts = [torch.tensor(v) for v in (1.0, 2.0, 3.0, 6.0)]
+    assert replicas.reduce().item() == value / 4
+
+
+def test_the_runner_hands_over_its_losses_and_outputs_once():
+    runner = StageRunner(
+        [nn.Linear(2, 2)], [0], 0, 2, lambda y, t: y.sum(), torch.device("cpu"), [[False] * 2], True
+    )
+    runner.begin([], [], infer=True)
+    assert runner.infer
+    runner.infer_outputs[1] = "out"
+    assert runner.take_infer_outputs() == [None, "out"]
+    assert runner.take_infer_outputs() == [None, None]
+    runner.begin([], [])
+    assert not runner.infer
+    runner.loss_parts[0] = "loss"
+    assert runner.take_loss_parts() == ["loss", None]
+    assert runner.take_loss_parts() == [None, None]
+    seed = torch.ones(())
+    runner.set_backward_seed(seed)
+    assert runner.backward_seed is seed
 
 
 def test_reduce_broadcasts_from_the_loss_rank_over_the_control_group():

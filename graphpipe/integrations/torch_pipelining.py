@@ -445,7 +445,7 @@ class PipelineSchedule:
         if pipe.is_loss_rank:
             if losses is not None:
                 losses.clear()
-                losses.extend(pipe.runner.losses.detach().clone().unbind(0))
+                losses.extend(pipe.loss.losses.detach().clone().unbind(0))
             if return_outputs:
                 return self._outputs_merged()
         return None

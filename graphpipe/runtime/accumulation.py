@@ -29,7 +29,8 @@ its hooks, the ``.grad`` of the reduced parameters (in place).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -69,6 +70,15 @@ class GradSync:
         if not self.window:
             for hook in self.hooks:
                 hook()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The steps inside do not reduce (``Pipeline.no_sync``)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
 
     def end(self) -> None:
         """The end of a training step: a no-sync step leaves the window open."""

@@ -15,10 +15,11 @@ Three visible phases per batch signature (shapes and dtypes of the batch):
    travels over the gloo control group, so one eager static step carries every rank pair's
    real transfers first (no communicator sees its first real-size group inside a capture).
 
-Owns: the captures (plans, bindings, graphs) and the capture stream. May touch: the
-engine's transfers (``static`` buffers), the runner's micro-batch inputs and labels (and its
-recorder, during the warmup), the engine's channel metadata (restored per capture), the step
-loop's signature. It gets these parts from the facade; it never sees the ``Pipeline``. The
+Owns: the captures (plans, bindings, graphs) and the capture stream. May touch, through their
+calls: the engine's transfers (``bind``: the plan's buffers), the runner's micro-batch inputs
+and labels (and its recorder, during the warmup), the engine's channel metadata
+(``use_metas``, per capture) and send mode (``begin(..., sends=)``), the step loop's signature
+(``set_signature``). It gets these parts from the facade; it never sees the ``Pipeline``. The
 graphs are released by ``close()``, or by a finalizer when the pipeline is dropped without
 it (NCCL >= 2.26 waits in ``destroy_process_group`` for graphs that still reference a
 communicator).
@@ -302,12 +303,12 @@ class CaptureDriver:
             return
         if self.active is not None:
             for t, _ in self.active.bindings:
-                t.static = None
+                t.bind(None)
         if cap is not None:
             for t, bufs in cap.bindings:
-                t.static = bufs
-            self.engine.metas = dict(cap.metas)
-            self.loop.signature = cap.sig
+                t.bind(bufs)
+            self.engine.use_metas(dict(cap.metas))
+            self.loop.set_signature(cap.sig)
             self.runner.begin(*cap.batch)
         self.active = cap
 
@@ -343,13 +344,12 @@ class CaptureDriver:
         torch.cuda.synchronize()
         self._barrier()  # every rank enters capture together
         engine = self.engine
-        engine.begin(False)
-        engine.record_sends = self.mode == "action"
+        engine.begin(False, sends="record" if self.mode == "action" else None)
         try:
             with _autocast_without_cache(self.ctx.device.type):
                 graphs = CapturedGraphs.capture(self.entries(), self.stream)
         finally:
-            engine.record_sends = False
+            engine.begin(False)
         torch.cuda.synchronize()
         self._barrier()
         return graphs
@@ -360,12 +360,11 @@ class CaptureDriver:
 
     def _replay(self, cap: Capture) -> None:
         engine = self.engine
-        engine.begin(False)
-        engine.replay_sends = self.mode == "action"
+        engine.begin(False, sends="replay" if self.mode == "action" else None)
         try:
             cap.graphs.replay(self.loop.ranges)
         finally:
-            engine.replay_sends = False
+            engine.begin(False)
 
     def _check_static_grads(self) -> None:
         for p, g in self._static_grads:

@@ -94,6 +94,7 @@ def _posting_failed(t: _Transfer, e: BaseException) -> CommFailure:
 
 class _Transfer:
     __slots__ = ("_cache", "edge", "engine", "index", "msgs", "name", "peer_global", "peer_rank")
+    static: Any
 
     def __init__(self, engine: CommEngine, spec: Transfer, actions: Sequence[Action]) -> None:
         self.engine = engine
@@ -123,6 +124,10 @@ class _Transfer:
         """Whether the messages travel as one flat packet (gloo, two or more tensors of one
         dtype); both ends tell the same from the channel metadata they both know."""
         return self._derived()[2]
+
+    def bind(self, static: Any) -> None:
+        """Use the active plan's buffers ``static`` from now on (None: allocate per step)."""
+        self.static = static
 
 
 class SendTransfer(_Transfer):
@@ -203,7 +208,7 @@ class CommEngine:
         self.epoch = 0  # bumped whenever the metadata may have changed (see _Transfer._derived)
         self.handshake = False
         # Per-action CUDA graphs: the capture pass records what each send sends, replays send
-        # the recorded tensors (see graphs.py).
+        # the recorded tensors (see graphs.py); set by ``begin``'s ``sends``.
         self.record_sends = self.replay_sends = False
         self.in_flight: list[tuple[list, Tensors, int]] = []  # (works, tensors, peer rank)
         self._unresolved: dict[tuple[int, int], deque[RecvTransfer]] = {}
@@ -213,14 +218,25 @@ class CommEngine:
         """What crosses each channel: ``{(src stage, dst stage): metadata per tensor}``."""
         return self._metas
 
-    @metas.setter
-    def metas(self, value: dict[Channel, tuple[TensorMeta, ...]]) -> None:
-        self._metas = value
+    def set_ranges(self, ranges: Ranges) -> None:
+        """Emit the waits' ranges through ``ranges`` from now on."""
+        self.ranges = ranges
+
+    def use_metas(self, metas: dict[Channel, tuple[TensorMeta, ...]]) -> None:
+        """Take ``metas`` as the channels' metadata (another program's, a plan's)."""
+        self._metas = metas
         self.epoch += 1
 
     # ------------------------------------------------------------- steps
-    def begin(self, handshake: bool) -> None:
+    def begin(self, handshake: bool, sends: str | None = None) -> None:
+        """Start a step. ``handshake``: its first step of a batch signature (headers
+        travel first). ``sends``: ``"record"`` while per-action CUDA graphs are captured
+        (each send's tensors are kept), ``"replay"`` while they replay (the kept tensors
+        are sent), None otherwise."""
+        if sends not in (None, "record", "replay"):
+            raise ValueError(f"sends must be None, 'record' or 'replay', got {sends!r}")
         self.handshake = handshake
+        self.record_sends, self.replay_sends = sends == "record", sends == "replay"
         if handshake:  # it writes new metadata as it goes
             self.epoch += 1
 

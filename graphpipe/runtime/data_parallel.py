@@ -217,8 +217,7 @@ class DataParallel:
         self.poll = self.size > 1 and ctx.device.type == "cpu" and store is not None
         if self.poll:
             key = store_key(dist.get_process_group_ranks(dp_group), "dp")
-            self.faults.replicas = FaultNotices(store, key, ctx.rank)
-            self.faults.replica = dist.get_rank(dp_group)
+            self.faults.watch_replicas(FaultNotices(store, key, ctx.rank), dist.get_rank(dp_group))
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
         self.managed = managed  # ids of parameters another part reduces (FSDP2's)
         self.grad_sync = grad_sync if grad_sync is not None else GradSync()
@@ -362,7 +361,7 @@ class DataParallel:
         wait at once (``CommFailure`` carrying it) instead of at the group's timeout."""
         faults = self.faults
         if self.poll:
-            faults.action = what
+            faults.doing(what)
             check = 0.0
             while not work.is_completed():
                 now = time.monotonic()
@@ -377,6 +376,10 @@ class DataParallel:
             work.wait()
         except RuntimeError as e:
             raise CommFailure(None, what, e.with_traceback(None)) from None
+
+    def set_ranges(self, ranges: Ranges) -> None:
+        """Emit the reductions' ranges through ``ranges`` from now on."""
+        self.ranges = ranges
 
     def average_loss(self, loss: torch.Tensor) -> None:
         """On the loss rank: ``loss`` becomes the mean (``loss_reduction="sum"``: the sum) of

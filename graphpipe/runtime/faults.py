@@ -255,7 +255,17 @@ class Faults:
             and (self.global_ranks[rank] == 0)
         )
         self.hold_s = min(self.timeout_s, HOLD_S) if self.timeout_s is not None else HOLD_S
-        groups.on_block = self.blocked
+        groups.report_blocks_to(self.blocked)
+
+    def doing(self, what: str) -> None:
+        """This rank is now at ``what`` (an action, a transfer, a reduction): named if it
+        fails."""
+        self.action = what
+
+    def watch_replicas(self, notices: FaultNotices, replica: int) -> None:
+        """With data parallelism: the notices shared with this rank's data-parallel group
+        (keyed like ``notices``) and this replica's index in it."""
+        self.replicas, self.replica = notices, replica
 
     def blocked(self, peer: int | None) -> tuple[ProcessStatus, Blocked, JobStore] | None:
         """A wait of this call blocks (on a transfer with pipeline rank ``peer``, or on a
@@ -317,7 +327,7 @@ class Faults:
 
     def control(self, what: str, op: Callable[[Any], Any]) -> None:
         """Run the collective ``op(control group)`` and wait; a failure is a ``CommFailure``."""
-        self.action = what
+        self.doing(what)
         control = self.groups.control
         try:
             if control is None:

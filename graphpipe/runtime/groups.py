@@ -108,17 +108,14 @@ class _PatientWork:
 
     def wait(self, *args: Any) -> Any:
         watch = WATCH
-        watch.current = self
+        watch.enter(self)
         try:
             done = self.work.wait(*args)
         except BaseException:
-            watch.current = None
-            watch.failed = id(self)  # its status stays for the peers (see status)
+            watch.failed_in(self)  # its status stays for the peers (see status)
             self.work = None  # a failed work holds its connections open: let go of it
             raise
-        watch.current = None
-        if watch.published:
-            watch.ended(self)
+        watch.leave(self)
         return done
 
     def blocked(self) -> Any:
@@ -230,6 +227,11 @@ class PipelineGroups:
     @property
     def _seconds(self) -> float:
         return self.timeout.total_seconds()
+
+    def report_blocks_to(self, on_block: Callable[[int | None], Any] | None) -> None:
+        """``on_block(peer)`` makes the status the watch thread publishes for a wait on
+        these groups that blocks (``Faults.blocked``)."""
+        self.on_block = on_block
 
     def _blocked(self, peer: int | None) -> Any:
         return self.on_block(peer) if self.on_block is not None else None

@@ -9,9 +9,9 @@ is given), so the gradients are those of the mean loss; with ``loss_reduction="s
 micro-batch losses are summed (seed 1; over the replicas too), for a ``loss_fn`` that
 already divides by the global number of tokens.
 
-Owns: the loss buffers (``losses``, ``seed``, ``out``). May touch: the stage runner's loss
-fields, the loss average it is given (the data-parallel part's), the control group through
-``Faults``.
+Owns: the loss buffers (``losses``, ``seed``, ``out``). May touch: the stage runner through
+its calls (``set_backward_seed``, ``take_loss_parts``), the loss average it is given (the
+data-parallel part's), the control group through ``Faults``.
 """
 
 from __future__ import annotations
@@ -34,20 +34,27 @@ __all__ = ["LossReducer"]
 class LossReducer:
     """The loss buffers of one pipeline rank (allocated for a dtype once the ranks agree on it).
 
-    ctx: the rank. runner: the stage runner whose loss fields it fills and reads. faults: the
-    pipeline's failure handling (the broadcast over the control group goes through it).
-    ``average``: set by the data-parallel part, ``average(out)`` averages the loss rank's loss
-    over the replicas in place.
+    ctx: the rank. runner: the stage runner whose backward it seeds and whose micro-batch
+    losses it takes. faults: the pipeline's failure handling (the broadcast over the control
+    group goes through it). average: the data-parallel part's ``average(out)``, which
+    averages the loss rank's loss over the replicas in place (None: no replicas).
     """
 
     def __init__(
-        self, ctx: RankContext, runner: StageRunner, faults: Faults, reduction: str = "mean"
+        self,
+        ctx: RankContext,
+        runner: StageRunner,
+        faults: Faults,
+        reduction: str = "mean",
+        average: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.ctx, self.runner, self.faults = ctx, runner, faults
         self.reduction = reduction
         self.dtype: torch.dtype | None = None
         self.out: torch.Tensor | None = None
-        self.average: Callable[[torch.Tensor], None] | None = None
+        self.losses: torch.Tensor | None = None  # each micro-batch's loss, stacked
+        self.seed: torch.Tensor | None = None  # the backward seed before a scaler
+        self.average = average
 
     def ensure(self, dtype: torch.dtype, frozen: bool = False) -> None:
         """Buffers of ``dtype`` (kept while it stays); ``frozen``: the buffers are captured,
@@ -57,18 +64,18 @@ class LossReducer:
         if frozen:
             raise ValueError(f"the loss dtype changed to {dtype} after capture")
         self.dtype = dtype
-        ctx, runner = self.ctx, self.runner
-        runner.losses = torch.zeros(ctx.num_microbatches, dtype=dtype, device=ctx.device)
-        runner.seed = torch.zeros((), dtype=dtype, device=ctx.device)
+        ctx = self.ctx
+        self.losses = torch.zeros(ctx.num_microbatches, dtype=dtype, device=ctx.device)
+        self.seed = torch.zeros((), dtype=dtype, device=ctx.device)
         self.out = torch.zeros((), dtype=dtype, device=ctx.device)
 
     def prepare_seed(self, scaler: Any) -> None:
         """The backward seed ``1 / M`` (``"sum"``: 1), scaled by ``scaler``, on the loss
         rank."""
-        ctx, runner = self.ctx, self.runner
+        ctx, seed = self.ctx, self.seed
         if ctx.is_loss_rank:
-            runner.seed.fill_(1.0 / ctx.num_microbatches if self.reduction == "mean" else 1.0)
-            runner.backward_seed = scaler.scale(runner.seed) if scaler is not None else runner.seed
+            seed.fill_(1.0 / ctx.num_microbatches if self.reduction == "mean" else 1.0)
+            self.runner.set_backward_seed(scaler.scale(seed) if scaler is not None else seed)
         elif scaler is not None:
             scaler.scale(torch.zeros((), device=ctx.device))  # initializes its scale here too
 
@@ -77,13 +84,11 @@ class LossReducer:
         broadcast from the loss rank."""
         ctx, out = self.ctx, self.out
         if ctx.is_loss_rank:
-            runner = self.runner
-            torch.stack(runner.loss_parts, out=runner.losses)
-            runner.loss_parts = [None] * ctx.num_microbatches
+            torch.stack(self.runner.take_loss_parts(), out=self.losses)
             if self.reduction == "mean":
-                torch.mean(runner.losses, dim=0, out=out)
+                torch.mean(self.losses, dim=0, out=out)
             else:
-                torch.sum(runner.losses, dim=0, out=out)
+                torch.sum(self.losses, dim=0, out=out)
             if self.average is not None:  # the mean over the replicas' loss ranks
                 self.average(out)
         if ctx.num_ranks == 1:

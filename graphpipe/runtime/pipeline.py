@@ -336,9 +336,13 @@ class Pipeline:
                 float_dtype(self.modules[0]),
             )
             self._loss_dtype = loss_dtype(self.modules)
-            self.loss = LossReducer(ctx, runner, faults, loss_reduction)
-            if self.data_parallel is not None:
-                self.loss.average = self.data_parallel.average_loss
+            self.loss = LossReducer(
+                ctx,
+                runner,
+                faults,
+                loss_reduction,
+                average=self.data_parallel.average_loss if self.data_parallel else None,
+            )
             self.optimizer = capture_optimizer
             self._loop = StepLoop(
                 ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
@@ -442,7 +446,7 @@ class Pipeline:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
         faults = self._faults
         faults.begin("step" if train else "forward")
-        faults.action = "batch agreement"
+        faults.doing("batch agreement")
         try:
             return self._agreement.agree(
                 inputs,
@@ -500,11 +504,8 @@ class Pipeline:
             )
         if not self.grad_sync.sync:
             raise RuntimeError("no_sync() is already active on this pipeline")
-        self.grad_sync.sync = False
-        try:
+        with self.grad_sync.paused():
             yield
-        finally:
-            self.grad_sync.sync = True
 
     def _keyword_mask(self, names: tuple[str, ...]) -> int:
         return self.runner.keyword_routes(names).mask
@@ -541,9 +542,10 @@ class Pipeline:
 
     @ranges.setter
     def ranges(self, value: Ranges) -> None:
-        self._ranges = self._loop.ranges = self.engine.ranges = value
-        if self.data_parallel is not None:
-            self.data_parallel.ranges = value
+        self._ranges = value
+        for part in (self._loop, self.engine, self.data_parallel):
+            if part is not None:
+                part.set_ranges(value)
 
     # ------------------------------------------------------------- the model
     def parameters(self) -> list[nn.Parameter]:

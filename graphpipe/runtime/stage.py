@@ -152,10 +152,8 @@ class StageRunner:
         self.mb_kwargs: list[dict[str, Any]] = []
         self.routes = NO_KEYWORDS
         self._routes: dict[tuple[str, ...], Routes] = {(): NO_KEYWORDS}
-        self.losses: torch.Tensor | None = None
         self.loss_parts: list[Any] = [None] * m  # each micro-batch's loss, this step
-        self.seed: torch.Tensor | None = None
-        self.backward_seed: torch.Tensor | None = None
+        self.backward_seed: torch.Tensor | None = None  # the loss part's (set_backward_seed)
         self.infer = False
         self.infer_outputs: list[Any] = [None] * m
         self.recorder: StepRecord | None = None
@@ -405,12 +403,32 @@ class StageRunner:
         mb_labels: list,
         mb_kwargs: list | None = None,
         routes: Routes | None = None,
+        infer: bool = False,
     ) -> None:
         """The call's micro-batches: inputs (input rank), labels (loss rank), and the keyword
-        tensors this rank uses (``routes.used``), each a list over micro-batches."""
+        tensors this rank uses (``routes.used``), each a list over micro-batches; ``infer``:
+        the call is a forward-only run (outputs kept for ``take_infer_outputs``, sent
+        activations dropped), else a training step."""
         self.mb_inputs, self.mb_labels = mb_inputs, mb_labels
         self.mb_kwargs = mb_kwargs or []
         self.routes = routes or NO_KEYWORDS
+        self.infer = infer
+
+    def set_backward_seed(self, seed: torch.Tensor | None) -> None:
+        """The gradient the last stage's backward starts from (the loss part's ``1 / M``,
+        scaled)."""
+        self.backward_seed = seed
+
+    def take_loss_parts(self) -> list[Any]:
+        """This step's loss of each micro-batch (the loss rank's), handed over once."""
+        parts, self.loss_parts = self.loss_parts, [None] * len(self.loss_parts)
+        return parts
+
+    def take_infer_outputs(self) -> list[Any]:
+        """A forward-only run's outputs of each micro-batch (the loss rank's), handed over
+        once."""
+        outs, self.infer_outputs = self.infer_outputs, [None] * len(self.infer_outputs)
+        return outs
 
     def keyword_routes(self, names: tuple[str, ...]) -> Routes:
         """Where the keyword tensors ``names`` (sorted) go on this rank: to each stage whose

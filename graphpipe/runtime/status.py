@@ -172,12 +172,22 @@ class Watch:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * PERIOD_S + 1.0)
 
-    def ended(self, wait: Any) -> None:
-        """``wait`` ended well: its status, if the thread published one, goes (the caller
-        checks ``published`` first: nothing to do on the fast path)."""
-        if self.published == id(wait):
+    def enter(self, wait: Any) -> None:
+        """``wait`` is this process's wait in progress."""
+        self.current = wait
+
+    def leave(self, wait: Any) -> None:
+        """``wait`` ended well: its status, if the thread published one, goes."""
+        self.current = None
+        if self.published and self.published == id(wait):
             self.published = 0
             ProcessStatus.clear()
+
+    def failed_in(self, wait: Any) -> None:
+        """``wait`` failed: no wait in progress, and its published status stays for the
+        peers."""
+        self.current = None
+        self.failed = id(wait)
 
     def _run(self) -> None:
         seen = 0

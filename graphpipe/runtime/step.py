@@ -14,9 +14,9 @@ It keeps the batch signatures the programs last ran with (a new one means a hand
 the first step of a signature exchanges headers). On failure it records what this rank was
 doing for ``Faults``.
 
-Owns: the signatures. May touch: the stage runner's batch and mode, the engine (through its
-public calls), the loss buffers, the optimizer (``capture_optimizer``: zeroed gradients and
-its step inside the static step).
+Owns: the signatures. May touch: the stage runner's batch and mode (``begin``), the engine
+(through its public calls), the loss buffers, the optimizer (``capture_optimizer``: zeroed
+gradients and its step inside the static step).
 """
 
 from __future__ import annotations
@@ -75,6 +75,14 @@ class StepLoop:
         """After a failed call: the next step of either program is a handshake step."""
         self.signature = self.infer_signature = None
 
+    def set_signature(self, sig: Signature | None) -> None:
+        """The training program last ran with ``sig`` (a captured plan's, made active)."""
+        self.signature = sig
+
+    def set_ranges(self, ranges: Ranges) -> None:
+        """Emit the step's ranges through ``ranges`` from now on."""
+        self.ranges = ranges
+
     # ---------------------------------------------------------------- training
     def zero_grads(self) -> None:
         """With ``capture_optimizer``: the gradients are zeroed in place at a step's start."""
@@ -90,11 +98,12 @@ class StepLoop:
         labels: Any,
         kwargs: Mapping[str, Any],
         unwrap: bool | None = None,
+        infer: bool = False,
     ) -> None:
         """Hand the runner this rank's micro-batches of ``inputs`` and ``labels`` (none where
         it holds none) and of the keyword tensors it uses (``sig``'s names); ``unwrap``: each
         micro-batch's labels as one tensor, not a 1-tuple (default: when ``labels`` is a
-        tensor, as ``loss_fn`` then gets them)."""
+        tensor, as ``loss_fn`` then gets them); ``infer``: for a forward-only run."""
         ctx, runner = self.ctx, self.runner
         m, dev = ctx.num_microbatches, ctx.device
         mb_in = split(inputs, m, dev) if ctx.is_input_rank else []
@@ -113,7 +122,7 @@ class StepLoop:
                     parts = split(value, m, dev, unwrap=isinstance(value, torch.Tensor))
                 for i, part in enumerate(parts):
                     mb_kw[i][name] = part
-        runner.begin(mb_in, mb_lab, mb_kw, routes)
+        runner.begin(mb_in, mb_lab, mb_kw, routes, infer=infer)
 
     def train(
         self,
@@ -127,7 +136,6 @@ class StepLoop:
         """One eager training step of batch signature ``sig``; the loss buffer (static)."""
         handshake = sig != self.signature
         self.signature = sig
-        self.runner.infer = False
         self.batch(sig, inputs, labels, kwargs)
         self.loss.prepare_seed(scaler)
         self.run(program, handshake)
@@ -156,19 +164,16 @@ class StepLoop:
         self.infer_signature = sig
         engine, runner, ctx = self.engine, self.runner, self.ctx
         saved = engine.metas, runner.mb_inputs, runner.mb_labels, runner.mb_kwargs, runner.routes
-        self.batch(sig, inputs, None, kwargs)
-        engine.metas = self.infer_metas
-        runner.infer = True
+        self.batch(sig, inputs, None, kwargs, infer=True)
+        engine.use_metas(self.infer_metas)
         try:
             self.run(program, handshake)
         finally:
-            runner.infer = False
-            engine.metas = saved[0]
+            engine.use_metas(saved[0])
             runner.begin(*saved[1:])
         if not ctx.is_loss_rank:
             return None
-        outs = [o if isinstance(o, tuple) else (o,) for o in runner.infer_outputs]
-        runner.infer_outputs = [None] * ctx.num_microbatches
+        outs = [o if isinstance(o, tuple) else (o,) for o in runner.take_infer_outputs()]
         cat = tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
         return cat[0] if len(cat) == 1 else cat
 
@@ -198,7 +203,7 @@ class StepLoop:
             # What this rank was doing: an action, or posting / waiting for a transfer.
             if comm is not None:
                 name = _describe(comm)
-            self.faults.action = name or "the end of the step"
+            self.faults.doing(name or "the end of the step")
             raise
         finally:
             ranges.unwind(depth)
