@@ -27,7 +27,7 @@ from graphpipe.runtime.batch import BatchAgreement, describe_keywords, keywords_
 from graphpipe.runtime.clipping import GradClipper, check_clip_args
 from graphpipe.runtime.context import RankContext
 from graphpipe.runtime.loss import LossReducer
-from graphpipe.runtime.program import Instr, Program, compile_program
+from graphpipe.runtime.program import Instr, Program, StepHooks, Trailing, compile_program
 from graphpipe.runtime.stage import StageRunner
 from graphpipe.runtime.step import StepLoop
 from graphpipe.runtime.tied import TiedWeights
@@ -389,6 +389,37 @@ def test_call_after_call_first_and_append():
     assert len(program.instrs) == 4
 
 
+def test_install_runs_the_parts_hooks_in_the_order_given_at_each_point():
+    made: dict = {}
+
+    def hook(name):  # one callable per name
+        return made.setdefault(name, functools.partial(print, name))
+
+    steps = [Step((), Action.parse(a)) for a in ("0F0", "1F0", "1B0", "0B0")]
+    program = Program([Instr((), (), _noop, (), str(st.compute)) for st in steps], steps)
+    assert program.grads_final([0, 1, 5]) == {0: 3, 1: 2, 5: 3}  # 5: none, the last step
+    a, b = (
+        StepHooks(
+            first=(hook("a first"),),
+            after_grads=((1, hook("a 1")), (0, hook("a 0"))),
+            trailing=(Trailing(handler=hook("a end"), name="a"),),
+        ),
+        StepHooks(
+            first=(hook("b first"),),
+            after_grads=((1, hook("b 1")),),
+            trailing=(Trailing(waits=(hook("b wait"),)),),
+        ),
+    )
+    program.install(a, b)
+    assert program.instrs[0].posts == (hook("a first"), hook("b first"))
+    assert program.instrs[3].posts == (hook("a 1"), hook("b 1"))  # right after 1B0
+    # after 0B0, the last step: a trailing instruction, before the declared trailing ones
+    assert program.instrs[4] == Instr((hook("a 0"),), (), None, (), "")
+    assert program.instrs[5] == Instr((), (), hook("a end"), (), "a")
+    assert program.instrs[6] == Instr((), (hook("b wait"),), None, (), "")
+    assert len(program.instrs) == 7
+
+
 # --------------------------------------------------------------------------------------------
 # step.py
 
@@ -695,13 +726,14 @@ def test_tied_copies_on_one_rank_start_equal_and_sum_their_gradients():
     mark_tied(b, "emb")
     mark_tied(c, "head")
     program, sync = _one_instr_program(), GradSync()
-    tied = TiedWeights(_ctx((first, second)), program, sync)
+    tied = TiedWeights(_ctx((first, second)), sync)
     assert b.tolist() == [1.0, 2.0]  # from the first copy
     assert tied.counted_elsewhere == {id(b)}  # a second local copy: counted once
     assert [(s.names, s.size, s.group) for s in tied.sets] == [(["emb", "head"], 1, None)]
+    assert sync.hooks == [tied.divide_existing]
+    program.install(sync.step_hooks(), tied.step_hooks())
     assert program.instrs[-1] == Instr((), (), tied.reduce, (), "tied grads")
     assert program.instrs[0].posts == (sync.begin,)
-    assert sync.hooks == [tied.divide_existing]
     a.grad, b.grad = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
     tied.reduce()
     assert a.grad.tolist() == b.grad.tolist() == [11.0, 22.0]
@@ -715,9 +747,11 @@ def test_tied_copies_on_one_rank_start_equal_and_sum_their_gradients():
 
 
 def test_no_tied_parameter_adds_nothing():
-    program = _one_instr_program()
-    tied = TiedWeights(_ctx((_holder(w=torch.ones(2)),)), program)
+    program, sync = _one_instr_program(), GradSync()
+    tied = TiedWeights(_ctx((_holder(w=torch.ones(2)),)), sync)
     assert tied.sets == [] and tied.counted_elsewhere == set()
+    assert tied.step_hooks() == StepHooks() and sync.step_hooks() == StepHooks()
+    program.install(sync.step_hooks(), tied.step_hooks())
     assert program.instrs == [Instr((), (), _noop, (), "0F0")]
 
 
@@ -772,7 +806,7 @@ def test_in_step_clips_at_the_end_of_a_synced_step_only():
     mod = _holder(p=p)
     program, sync = _one_instr_program(), GradSync()
     clipper = GradClipper(_ctx((mod,)))
-    clipper.in_step(program, 5.0, 2.0, sync)
+    program.install(clipper.in_step(5.0, 2.0, sync))
     instr = program.instrs[-1]
     assert instr.name == "clip_grad_norm" and len(program.instrs) == 2
     sync.sync = False

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from .program import Program
+from .program import StepHooks
 
 __all__ = ["GradSync", "divide_existing"]
 
@@ -54,15 +54,14 @@ class GradSync:
         self.sync = True
         self.window = False
         self.hooks: list[Callable[[], None]] = []
-        self._installed = False
 
-    def add(self, program: Program, hook: Callable[[], None]) -> None:
-        """Register ``hook`` (divides the existing gradients it reduces); the first one puts
-        ``begin`` at the start of ``program``."""
+    def add(self, hook: Callable[[], None]) -> None:
+        """Register ``hook`` (divides the existing gradients it reduces)."""
         self.hooks.append(hook)
-        if not self._installed:
-            program.call_first(self.begin)
-            self._installed = True
+
+    def step_hooks(self) -> StepHooks:
+        """``begin`` at the start of the training step, once a part registered a hook."""
+        return StepHooks(first=(self.begin,)) if self.hooks else StepHooks()
 
     def begin(self) -> None:
         """The start of a training step: divide the gradients already there, unless an open

@@ -42,7 +42,7 @@ from graphpipe.roles import ExpertGroups, is_expert
 
 from .accumulation import GradSync
 from .context import RankContext
-from .program import Program
+from .program import StepHooks, Trailing
 from .tensors import local_shard
 
 __all__ = ["GradClipper", "check_clip_args"]
@@ -137,14 +137,10 @@ class GradClipper:
         return shares
 
     def in_step(
-        self,
-        program: Program,
-        max_norm: float,
-        norm_type: float,
-        grad_sync: GradSync | None = None,
-    ) -> None:
-        """Make every run of the training ``program`` end with ``clip`` (after the
-        data-parallel reductions, when there are any): a trailing instruction in a
+        self, max_norm: float, norm_type: float, grad_sync: GradSync | None = None
+    ) -> StepHooks:
+        """The hooks that make every run of the training program end with ``clip`` (installed
+        after the data-parallel reductions, when there are any): a trailing instruction in a
         ``clip_grad_norm`` range. The norm of the last step is ``norm``. Inside
         ``no_sync`` (``grad_sync.sync`` false) nothing is clipped: the gradients are this
         rank's partial sums; the step that reduces them clips the accumulated total."""
@@ -155,7 +151,7 @@ class GradClipper:
             if sync.sync:
                 self.norm = self.clip(max_norm, norm_type)
 
-        program.append(handler=clip, name="clip_grad_norm")
+        return StepHooks(trailing=(Trailing(handler=clip, name="clip_grad_norm"),))
 
 
 def _partial(

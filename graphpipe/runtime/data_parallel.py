@@ -6,8 +6,8 @@ replicas (``dp_group``). Each replica runs the whole schedule on its own batch; 
 then makes the replicas' gradients equal to the gradients of the mean loss over all of them:
 
 * **When.** A stage's gradients are final once its last ``B``, ``I`` or ``W`` of the step has
-  run (``Program.last_grad_steps``). Its reduction is posted right after that instruction
-  (``Program.call_after``), as asynchronous all-reduces, so it overlaps the rest of the step;
+  run (``Program.grads_final``). Its reduction is posted right after that instruction
+  (``StepHooks.after_grads``), as asynchronous all-reduces, so it overlaps the rest of the step;
   one trailing instruction waits for all of them (inside a ``wait dp grads`` range) before the
   step returns. Under capture they are part of the static step (and of its CUDA graph).
 * **What.** Each parameter once: a Parameter used by two local stages (tied weights, e.g.
@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,7 +76,7 @@ from .config import join
 from .context import RankContext
 from .faults import CommFailure, FaultNotices, Faults
 from .groups import refuse_to_join, store_key
-from .program import Program
+from .program import StepHooks, Trailing
 from .tensors import grad_or_zeros, local_shard
 
 if TYPE_CHECKING:
@@ -177,10 +177,12 @@ class _Bucket:
 class DataParallel:
     """Averages a pipeline's gradients and loss over its data-parallel group.
 
-    ``DataParallel(ctx, program, ranges, faults, dp_group)`` checks the groups, broadcasts the
-    stages' state from the first replica and hooks the reductions into the training
-    ``program`` (see the module doc); ``faults``: the pipeline's (the replicas' failure
-    notices join it), ``ranges``: its ranges. ``bucket_cap_mb``: the largest bucket in MiB (a
+    ``DataParallel(ctx, grads_final, ranges, faults, dp_group)`` checks the groups, broadcasts
+    the stages' state from the first replica and declares the reductions for the training
+    program (``step_hooks``, see the module doc); ``grads_final``: the training program's
+    ``{stage: instruction}`` after which each stage's gradients are final
+    (``Program.grads_final``); ``faults``: the pipeline's (the replicas' failure notices join
+    it), ``ranges``: its ranges. ``bucket_cap_mb``: the largest bucket in MiB (a
     larger parameter is its own bucket). ``expert_groups``: the ``ExpertGroups`` of stages with
     expert parameters. ``loss_reduction``: ``"mean"`` averages the gradients and the loss over
     the replicas, ``"sum"`` sums them. ``managed``: ids of the parameters another part
@@ -192,7 +194,7 @@ class DataParallel:
     def __init__(
         self,
         ctx: RankContext,
-        program: Program,
+        grads_final: Mapping[int, int],
         ranges: Ranges,
         faults: Faults,
         dp_group: Any,
@@ -235,10 +237,9 @@ class DataParallel:
         with faults.outside("the data-parallel setup", "dp_group"):  # a failed collective
             self._check_layout(ctx)
             self._sync_state(ctx.modules)
-        last = program.last_grad_steps()
         ids = ctx.stage_ids
-        end = len(program.instrs) - 1
-        at = {li: last.get(s, end) for li, s in enumerate(ids)}
+        at = {li: grads_final[s] for li, s in enumerate(ids)}
+        self._hooks = StepHooks()
         owner: dict[int, tuple[int, nn.Parameter]] = {}
         for li in sorted(at, key=lambda li: (at[li], li)):  # the later stage keeps a tied one
             for p in ctx.modules[li].parameters():
@@ -273,12 +274,18 @@ class DataParallel:
             for p in b.params
         ]
         if self._existing:
-            self.grad_sync.add(program, self.divide_existing)
+            self.grad_sync.add(self.divide_existing)
+        starts = []
         for li in sorted(at, key=lambda li: (at[li], li)):
             if self.buckets[li] or self.expert_buckets[li]:
                 self._first = li if self._first is None else self._first
-                program.call_after(at[li], functools.partial(self.start, li))
-        program.append(waits=(self.wait,))
+                starts.append((ids[li], functools.partial(self.start, li)))
+        self._hooks = StepHooks(after_grads=tuple(starts), trailing=(Trailing((self.wait,)),))
+
+    def step_hooks(self) -> StepHooks:
+        """In the training step: each stage's reductions posted after its last gradient
+        (``start``), and one trailing wait for all of them (``wait``)."""
+        return self._hooks
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, ctx: RankContext) -> None:

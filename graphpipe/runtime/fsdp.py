@@ -15,7 +15,7 @@ adds. So, per training step (torch's recipe for pipelines, the one ``PipelineSta
   ``reshard_after_forward=False`` they then stay unsharded until the stage's gradients are
   final; with ``True`` FSDP reshards after every forward and gathers again for the next
   forward or backward (less memory, more all-gathers), as it does outside a pipeline.
-* **After the stage's last ``B``, ``I`` or ``W`` of the step** (``Program.call_after``) the
+* **After the stage's last ``B``, ``I`` or ``W`` of the step** (``StepHooks.after_grads``) the
   flags are set back and FSDP's post-backward runs for every parameter group of the stage
   (the reduce-scatter into the sharded ``.grad``, then the reshard), then its root's final
   callback; the rest of the step goes on.
@@ -49,7 +49,7 @@ from torch import nn
 
 from .accumulation import GradSync
 from .context import RankContext
-from .program import Program
+from .program import StepHooks, Trailing
 
 __all__ = ["ShardedStages", "check_fsdp", "fsdp_modules", "param_groups"]
 
@@ -90,20 +90,17 @@ def _reshards_after_forward(module: nn.Module) -> bool:
 class ShardedStages:
     """The FSDP2 stages of one pipeline rank (see the module doc).
 
-    ctx: the rank. train / infer: the training and inference programs. loss_reduction:
-    ``"mean"`` or ``"sum"``. The capture policy is checked before (``check_fsdp``).
+    ctx: the rank. loss_reduction: ``"mean"`` or ``"sum"``. What it runs inside the steps:
+    ``step_hooks`` (training) and ``infer_hooks``. The capture policy is checked before
+    (``check_fsdp``).
     """
 
     name = "fsdp"
 
     def __init__(
-        self,
-        ctx: RankContext,
-        train: Program,
-        infer: Program,
-        loss_reduction: str,
-        grad_sync: GradSync | None = None,
+        self, ctx: RankContext, loss_reduction: str, grad_sync: GradSync | None = None
     ) -> None:
+        self.stage_ids = ctx.stage_ids
         self.grad_sync = grad_sync if grad_sync is not None else GradSync()
         self.modules = {li: fsdp_modules(m) for li, m in enumerate(ctx.modules)}
         self.roots = {li: _roots(ms) for li, ms in self.modules.items()}
@@ -115,13 +112,26 @@ class ShardedStages:
         if loss_reduction == "sum":
             for m in self.all:  # the sum over the replicas, not their mean
                 m.set_gradient_divide_factor(1.0)
-        train.call_first(self.begin)
-        last = train.last_grad_steps()
-        end = len(train.instrs) - 1
-        for li, s in enumerate(ctx.stage_ids):
-            if self.roots[li]:
-                train.call_after(last.get(s, end), functools.partial(self.finish, li))
-        infer.append(handler=self.reshard, name="fsdp reshard")
+
+    def step_hooks(self) -> StepHooks:
+        """In the training step: ``begin`` first, each stage's ``finish`` after its last
+        gradient."""
+        if not self.all:
+            return StepHooks()
+        return StepHooks(
+            first=(self.begin,),
+            after_grads=tuple(
+                (s, functools.partial(self.finish, li))
+                for li, s in enumerate(self.stage_ids)
+                if self.roots[li]
+            ),
+        )
+
+    def infer_hooks(self) -> StepHooks:
+        """After a forward-only run: ``reshard``."""
+        if not self.all:
+            return StepHooks()
+        return StepHooks(trailing=(Trailing(handler=self.reshard, name="fsdp reshard"),))
 
     def begin(self) -> None:
         """The start of a training step: accumulate only, and post every all-gather."""

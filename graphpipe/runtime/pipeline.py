@@ -56,7 +56,7 @@ from .fsdp import ShardedStages, check_fsdp
 from .groups import PipelineGroups, refuse_to_join
 from .lifetime import keep_through_exit
 from .loss import LossReducer
-from .program import compile_program
+from .program import StepHooks, compile_program
 from .stage import StageRunner
 from .step import StepLoop
 from .tied import TiedWeights
@@ -302,12 +302,12 @@ class Pipeline:
             # Parts that run inside the training step as instructions of its program.
             self.capture = CAPTURE_MODES[capture]
             self.grad_sync = grad_sync = GradSync()  # accumulation across calls, no_sync
-            self.fsdp = ShardedStages(ctx, self.program, self._infer, loss_reduction, grad_sync)
+            self.fsdp = ShardedStages(ctx, loss_reduction, grad_sync)
             self._dp_join_taken = True  # DataParallel joins its group's setup first
             self.data_parallel = (
                 DataParallel(
                     ctx,
-                    self.program,
+                    self.program.grads_final(self.stage_ids),
                     self._ranges,
                     faults,
                     dp_group,
@@ -319,13 +319,24 @@ class Pipeline:
                 if dp_group is not None
                 else None
             )
-            # after the dp reductions, before clipping
-            self.tied = TiedWeights(ctx, self.program, grad_sync)
+            self.tied = TiedWeights(ctx, grad_sync)
             self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
             self._clips = clip_grad_norm is not None
             self._deferral_checked = False  # _check_deferral after the first step
-            if self._clips:
-                self._clipper.in_step(self.program, clip_grad_norm, clip_norm_type, grad_sync)
+            # Where two parts run at one point of the step, in this order: the division of
+            # earlier calls' gradients first; after a stage's last gradient the dp reductions
+            # posted, then FSDP2's reduce-scatter; trailing, the wait for the dp reductions,
+            # the sum of tied copies, the clipping (of the reduced gradients).
+            self.program.install(
+                grad_sync.step_hooks(),
+                self.data_parallel.step_hooks() if self.data_parallel else StepHooks(),
+                self.fsdp.step_hooks(),
+                self.tied.step_hooks(),
+                self._clipper.in_step(clip_grad_norm, clip_norm_type, grad_sync)
+                if self._clips
+                else StepHooks(),
+            )
+            self._infer.install(self.fsdp.infer_hooks())
             self._agreement = BatchAgreement(
                 groups,
                 self.rank,

@@ -10,7 +10,13 @@
 * the handler of the compute (``None`` for the final flush of sends) and its arguments.
 
 Everything is resolved once, so that running a step is a loop over tuples: the per-action
-host work is a handful of calls. May touch: nothing at run time; it only builds.
+host work is a handful of calls.
+
+The parts that run inside a step (gradient accumulation, FSDP2, data parallelism, tied
+weights, clipping) declare what they run and where as ``StepHooks``; the pipeline installs
+them all at one place, in one stated order (``Program.install``), so no part patches the
+program and the order of their instructions is read off that one call. May touch: nothing at
+run time; it only builds.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from graphpipe.lower import Step, Transfer, comms_needed
 from .comm import CommEngine, RecvTransfer, SendTransfer
 from .stage import StageRunner
 
-__all__ = ["Instr", "Program", "compile_program"]
+__all__ = ["Instr", "Program", "StepHooks", "Trailing", "compile_program"]
 
 
 class Instr(NamedTuple):
@@ -37,6 +43,32 @@ class Instr(NamedTuple):
     handler: Callable[..., None] | None
     args: tuple
     name: str
+
+
+class Trailing(NamedTuple):
+    """An instruction added after the lowered steps: ``waits``, then ``handler()`` (when not
+    None) in a range called ``name``."""
+
+    waits: tuple[Callable[[], None], ...] = ()
+    handler: Callable[[], None] | None = None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What one part runs inside every run of a program, and where (``Program.install``).
+
+    first: at the start of the step, before the first instruction's posts.
+    after_grads: ``(stage, fn)``: ``fn()`` right after the stage's last ``B``, ``I`` or ``W``
+        of the step (``Program.last_grad_steps``; the last lowered step for a stage without),
+        as the first posts of the next instruction: the stage's gradients are final there.
+    trailing: instructions after the lowered steps (and after every ``after_grads`` hook
+        that falls past the last step).
+    """
+
+    first: tuple[Callable[[], None], ...] = ()
+    after_grads: tuple[tuple[int, Callable[[], None]], ...] = ()
+    trailing: tuple[Trailing, ...] = ()
 
 
 @dataclass
@@ -55,8 +87,32 @@ class Program:
     recvs: list[RecvTransfer] = field(default_factory=list)
     posted_at: dict[int, int] = field(default_factory=dict)  # id(transfer) -> step
 
-    # -- hooks for the parts that run inside the step (data_parallel, clipping) -------------
+    # -- the parts that run inside the step -------------------------------------------------
     # Instructions past ``len(steps)`` are trailing ones added here (no lowered step).
+
+    def install(self, *hooks: StepHooks) -> None:
+        """Install the parts' hooks; where two run at one point, they run in the order given
+        here: the ``first`` hooks, then at each stage's last gradient the ``after_grads``
+        hooks, then the ``trailing`` instructions."""
+        firsts = [fn for h in hooks for fn in h.first]
+        if firsts:
+            self.instrs[0] = _prefixed(self.instrs[0], *firsts)
+        final = self.grads_final(sorted({s for h in hooks for s, _ in h.after_grads}))
+        after: dict[int, list[Callable[[], None]]] = {}
+        for h in hooks:
+            for stage, fn in h.after_grads:
+                after.setdefault(final[stage], []).append(fn)
+        for k in sorted(after):
+            self.call_after(k, *after[k])
+        for h in hooks:
+            for t in h.trailing:
+                self.append(t.waits, t.handler, (), t.name)
+
+    def grads_final(self, stages: Sequence[int]) -> dict[int, int]:
+        """``{stage: instruction index}`` after which each of ``stages``' gradients are final:
+        its last ``B``, ``I`` or ``W``, or the last lowered step for a stage without."""
+        last, end = self.last_grad_steps(), len(self.steps) - 1
+        return {s: last.get(s, end) for s in stages}
 
     def last_grad_steps(self) -> dict[int, int]:
         """``{stage: instruction index}`` of each stage's last ``B``, ``I`` or ``W``: after it
@@ -68,12 +124,12 @@ class Program:
                     last[part.stage] = k
         return last
 
-    def call_after(self, k: int, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` right after instruction ``k``'s compute, as the first post of the next
-        instruction (a trailing one when ``k`` is the last)."""
+    def call_after(self, k: int, *fns: Callable[[], None]) -> None:
+        """Run ``fns`` right after instruction ``k``'s compute, in order, as the first posts
+        of the next instruction (a trailing one when ``k`` is the last)."""
         if k + 1 == len(self.instrs):
             self.append()
-        self.instrs[k + 1] = _prefixed(self.instrs[k + 1], fn)
+        self.instrs[k + 1] = _prefixed(self.instrs[k + 1], *fns)
 
     def call_first(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` at the start of the step, before the first instruction's posts."""
@@ -90,9 +146,9 @@ class Program:
         self.instrs.append(Instr((), tuple(waits), handler, args, name))
 
 
-def _prefixed(instr: Instr, fn: Callable[[], None]) -> Instr:
-    """``instr`` with ``fn`` as its first post."""
-    return Instr((fn, *instr.posts), instr.waits, instr.handler, instr.args, instr.name)
+def _prefixed(instr: Instr, *fns: Callable[[], None]) -> Instr:
+    """``instr`` with ``fns`` as its first posts."""
+    return Instr((*fns, *instr.posts), instr.waits, instr.handler, instr.args, instr.name)
 
 
 def _handler(runner: StageRunner, action: Action | None) -> tuple[object, tuple, str]:

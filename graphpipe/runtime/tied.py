@@ -38,7 +38,7 @@ from graphpipe.roles import tied_name
 from .accumulation import GradSync
 from .context import RankContext
 from .faults import CommFailure
-from .program import Program
+from .program import StepHooks, Trailing
 from .tensors import grad_or_zeros
 
 __all__ = ["TiedWeights"]
@@ -61,9 +61,7 @@ class TiedWeights:
 
     name = "tied grads"
 
-    def __init__(
-        self, ctx: RankContext, program: Program, grad_sync: GradSync | None = None
-    ) -> None:
+    def __init__(self, ctx: RankContext, grad_sync: GradSync | None = None) -> None:
         self.grad_sync = grad_sync if grad_sync is not None else GradSync()
         local: dict[str, list[nn.Parameter]] = {}
         for p in ctx.parameters():
@@ -95,8 +93,13 @@ class TiedWeights:
             self._start_equal(hs, ctx.global_ranks[ranks[0]])
             self.sets.append(hs)
         if self.sets:
-            program.append(handler=self.reduce, name=self.name)
-            self.grad_sync.add(program, self.divide_existing)
+            self.grad_sync.add(self.divide_existing)
+
+    def step_hooks(self) -> StepHooks:
+        """In the training step: the sum of the tied copies (``reduce``), trailing."""
+        if not self.sets:
+            return StepHooks()
+        return StepHooks(trailing=(Trailing(handler=self.reduce, name=self.name),))
 
     @staticmethod
     def _gather(ctx: RankContext, mine: Sequence[str]) -> dict[str, list[int]] | None:
