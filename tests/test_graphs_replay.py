@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from graphpipe.graphs import CapturedGraphs
 from graphpipe.nvtx import Ranges
+from graphpipe.runtime.capture import CapturedGraphs
 
 
 class FakeGraph:

@@ -243,7 +243,7 @@ def test_no_runtime_part_reads_another_objects_private_attributes() -> None:
     """``x._name`` in graphpipe/runtime/ only on ``self`` (or ``cls``), and on torch's own
     objects where torch has no public call (``TORCH_PRIVATES``, each with its reason)."""
     found = []
-    for path in sorted((PACKAGES["graphpipe"] / "runtime").glob("*.py")):
+    for path in sorted((PACKAGES["graphpipe"] / "runtime").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
                 continue
@@ -325,7 +325,7 @@ def test_no_runtime_part_writes_another_parts_fields() -> None:
     infer=)``, ``use_metas``, ``doing``, ``set_ranges``, ...), never by assigning its fields:
     each part owns its state, and a run's mode is a value passed in."""
     folder = PACKAGES["graphpipe"] / "runtime"
-    sources = {p.name: p.read_text() for p in sorted(folder.glob("*.py"))}
+    sources = {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*.py"))}
     assert not foreign_field_writes(sources), foreign_field_writes(sources)
 
 

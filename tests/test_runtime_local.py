@@ -241,6 +241,16 @@ def test_the_memory_report_names_every_kind_after_the_warmup_step():
     assert f"{stored['activations']:,} bytes" in report
 
 
+def test_an_eager_pipeline_has_no_capture_driver_and_no_plan():
+    pipe = _pipe(3)
+    assert pipe._capture is None  # its steps run the step loop directly
+    pipe.step(*batch(6))
+    assert pipe.plan is None and pipe.record is None
+    with pytest.raises(RuntimeError, match="build the pipeline with capture=True"):
+        pipe.memory_report()
+    pipe.close()
+
+
 def test_constructing_a_pipeline_imports_nothing_it_only_recognises():
     """A one-rank construction must not import FSDP, DTensor or sympy (seconds of import in
     every process) just to check whether a stage is wrapped: a module never imported cannot

@@ -23,7 +23,8 @@ stage           the stage runner: F / I / B / W / overlap handlers, per-micro-ba
 batch           agreement on each batch across ranks
 structured      keyword values given per micro-batch, of any structure (``PerMicrobatch``)
 tensors         a value as a tuple of tensors, a batch split into micro-batches
-capture         warmup record -> static plan -> static step / CUDA graphs -> replay
+capture/        a captured pipeline's driver (warmup record -> static plan -> static step /
+                CUDA graphs -> replay), its plan and its graphs
 data_parallel   gradient and loss averaging over the data-parallel replicas, in the step
 fsdp            FSDP2-sharded stages: all-gathers early, one reduce-scatter per stage and step
 tied            weights tied across pipeline ranks: equal copies, gradients summed in the step

@@ -208,7 +208,7 @@ class CommEngine:
         self.epoch = 0  # bumped whenever the metadata may have changed (see _Transfer._derived)
         self.handshake = False
         # Per-action CUDA graphs: the capture pass records what each send sends, replays send
-        # the recorded tensors (see graphs.py); set by ``begin``'s ``sends``.
+        # the recorded tensors (see capture/graphs.py); set by ``begin``'s ``sends``.
         self.record_sends = self.replay_sends = False
         self.in_flight: list[tuple[list, Tensors, int]] = []  # (works, tensors, peer rank)
         self._unresolved: dict[tuple[int, int], deque[RecvTransfer]] = {}

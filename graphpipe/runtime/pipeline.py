@@ -27,12 +27,11 @@ from graphpipe.ir import Action, Op
 from graphpipe.lower import forward_only, lower, transfers
 from graphpipe.meta import StepRecord
 from graphpipe.nvtx import Ranges
-from graphpipe.plan import StaticPlan
 from graphpipe.validate import resolve_schedule
 
 from .accumulation import GradSync
 from .batch import BatchAgreement, Signature
-from .capture import CaptureDriver
+from .capture import CaptureDriver, StaticPlan
 from .checks import (
     CAPTURE_MODES,
     check_arguments,
@@ -358,9 +357,20 @@ class Pipeline:
             self._loop = StepLoop(
                 ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
             )
-            mode = self.capture or "step"
-            self._capture = CaptureDriver(
-                ctx, self._loop, self.program, runner, engine, self.loss, mode, recapture
+            # Only a captured pipeline has a capture driver: eager steps run the loop directly.
+            self._capture = (
+                CaptureDriver(
+                    ctx,
+                    self._loop,
+                    self.program,
+                    runner,
+                    engine,
+                    self.loss,
+                    self.capture,
+                    recapture,
+                )
+                if self.capture
+                else None
             )
             keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
 
@@ -424,11 +434,11 @@ class Pipeline:
             )
         sig, dtype = self._agree(inputs, labels, kwargs, True)
         with self._guard():
-            self.loss.ensure(dtype, frozen=bool(self._capture.captures))
-            if self.capture:
+            if self._capture is not None:
+                self.loss.ensure(dtype, frozen=bool(self._capture.captures))
                 loss = self._capture.step(sig, inputs, labels, kwargs)
             else:
-                self._capture.activate(None)
+                self.loss.ensure(dtype)
                 loss = self._loop.train(self.program, sig, inputs, labels, kwargs, scaler).clone()
             self.grad_sync.end()
         if not self._deferral_checked:
@@ -495,7 +505,8 @@ class Pipeline:
         self.runner.drop_state()
         self.engine.abandon()
         self._loop.forget()
-        self._capture.activate(None)
+        if self._capture is not None:
+            self._capture.activate(None)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -578,23 +589,31 @@ class Pipeline:
     # ---------------------------------------------------------------- capture
     def close(self) -> None:
         """Destroy captured graphs and plans; call before destroying the process group."""
-        self._capture.close()
+        if self._capture is not None:
+            self._capture.close()
 
     @property
     def plan(self) -> StaticPlan | None:
-        """The static plan of the active capture (None before the warmup step)."""
-        return self._capture.plan
+        """The static plan of the active capture (None before the warmup step, and without
+        ``capture``)."""
+        return self._capture.plan if self._capture is not None else None
 
     @property
     def record(self) -> StepRecord | None:
-        """The metadata the warmup step recorded (None before it)."""
-        return self._capture.record
+        """The metadata the warmup step recorded (None before it, and without
+        ``capture``)."""
+        return self._capture.record if self._capture is not None else None
 
     def memory_report(self) -> str:
         """Bytes per kind of the static plan (inputs, labels, P2P receive buffers and packets,
         against one buffer per micro-batch) and of what the warmup step recorded for the
         stored stage activations and gradients (held by autograd, or by the CUDA graph pool
         when captured)."""
+        if self._capture is None:
+            raise RuntimeError(
+                "no plan: the memory report is of a captured pipeline's static plan; build "
+                "the pipeline with capture=True (or 'step' / 'action') and run one step"
+            )
         return self._capture.memory_report()
 
 

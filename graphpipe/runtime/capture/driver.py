@@ -38,20 +38,20 @@ import torch
 import torch.distributed as dist
 
 from graphpipe.meta import DTYPES, StepRecord, TensorMeta
-from graphpipe.plan import StaticPlan, build_plan
 
-from .batch import Signature
-from .comm import SendTransfer
-from .context import RankContext
-from .program import Program
-from .step import StepLoop
-from .structured import PerMicrobatch, check_capturable, check_captured, structures
-from .tensors import as_tuple
+from ..batch import Signature
+from ..comm import SendTransfer
+from ..context import RankContext
+from ..program import Program
+from ..step import StepLoop
+from ..structured import PerMicrobatch, check_capturable, check_captured, structures
+from ..tensors import as_tuple
+from .plan import StaticPlan, build_plan
 
 if TYPE_CHECKING:
-    from .comm import CommEngine
-    from .loss import LossReducer
-    from .stage import StageRunner
+    from ..comm import CommEngine
+    from ..loss import LossReducer
+    from ..stage import StageRunner
 
 __all__ = ["Capture", "CaptureDriver"]
 
@@ -333,7 +333,7 @@ class CaptureDriver:
         return entries
 
     def _capture_graphs(self) -> Any:
-        from graphpipe.graphs import CapturedGraphs
+        from .graphs import CapturedGraphs
 
         params = self.ctx.parameters()
         for p in params:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .nvtx import Ranges
+from graphpipe.nvtx import Ranges
 
 __all__ = ["CapturedGraphs"]
 

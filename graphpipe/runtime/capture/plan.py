@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ir import Action, Op
-from .meta import TensorMeta
+from graphpipe.ir import Action, Op
+from graphpipe.meta import TensorMeta
 
 __all__ = ["BufferKey", "StaticPlan", "build_plan"]
 
