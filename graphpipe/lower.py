@@ -20,7 +20,7 @@ waited for at the end of the step). So a send never blocks, and the only thing t
 a rank is data that has not arrived. What the lowering decides is *when* each receive is
 posted, since a transfer starts only once both of its ends are posted:
 
-1. The plain rule (``early_receives=False``): step ``k``'s batch is the sends produced by
+1. The plain rule (``receives="plain"``): step ``k``'s batch is the sends produced by
    compute ``k-1`` followed by the receives compute ``k`` needs; one last
    ``Step(comms, None)`` flushes the sends of the final compute.
 2. ``post_receives_early`` (the default, ``receives="timed"``): time the computes by data
@@ -148,8 +148,9 @@ def comms_produced(compute: Action, placement: Placement) -> tuple[Action, ...]:
     return tuple(c for p in compute.parts() for c in _remote_comm(_PRODUCES, p, placement))
 
 
-RECEIVES = ("timed", "start")
-"""When ``lower`` posts the receives (see the module doc)."""
+RECEIVES = ("timed", "start", "plain")
+"""When ``lower`` posts the receives (see the module doc); ``Pipeline(receives=...)`` takes
+the same values."""
 
 
 def lower(
@@ -158,15 +159,14 @@ def lower(
     *,
     durations: Durations | None = None,
     latency: float = 0.0,
-    early_receives: bool = True,
     receives: str = "timed",
 ) -> dict[int, list[Step]]:
     """Add communication: per rank, one ``Step`` per compute cell plus a final flush if needed.
 
-    ``early_receives=False`` gives the plain rule (step k: sends of compute k-1, receives of
-    compute k). Otherwise ``receives="timed"`` (the default) applies ``post_receives_early``,
-    timed with ``durations`` (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and
-    ``latency`` per message, and ``receives="start"`` posts every receive at the start.
+    ``receives="timed"`` (the default) applies ``post_receives_early``, timed with
+    ``durations`` (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and ``latency`` per
+    message; ``receives="start"`` posts every receive at the start; ``receives="plain"`` gives
+    the plain rule (step k: sends of compute k-1, receives of compute k).
 
     One encoding of the rule: this encodes the schedule, runs ``lower_cells`` and decodes.
     """
@@ -175,16 +175,8 @@ def lower(
     cells = packed.encode_schedule(schedule)
     flat = [c for r in cells.ranks for c in schedule[r]]
     _check_compute_only(cells)
-    timed = early_receives and receives == "timed"
-    costs = _costs_of(flat, durations) if timed else None
-    programs = lower_cells(
-        cells,
-        placement,
-        durations=costs,
-        latency=latency,
-        early_receives=early_receives,
-        receives=receives,
-    )
+    costs = _costs_of(flat, durations) if receives == "timed" else None
+    programs = lower_cells(cells, placement, durations=costs, latency=latency, receives=receives)
     return decode_programs(programs, flat)
 
 
@@ -194,7 +186,6 @@ def lower_cells(
     *,
     durations: np.ndarray | None = None,
     latency: float = 0.0,
-    early_receives: bool = True,
     receives: str = "timed",
 ) -> Programs:
     """``lower`` on ``packed.Cells``; ``durations[i]`` is the time of cell ``i`` (needed for
@@ -202,7 +193,7 @@ def lower_cells(
     if receives not in RECEIVES:
         raise ValueError(f"receives must be one of {RECEIVES}, got {receives!r}")
     programs, step_cell = _lower_plain(cells, placement)
-    if not early_receives:
+    if receives == "plain":
         return programs
     if receives == "start":
         return post_receives_early_cells(programs, placement, None)

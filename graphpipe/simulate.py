@@ -295,7 +295,7 @@ def figures(
     """
     costs = costs or Costs()
     validate_cells(cells, placement, num_microbatches)
-    plain = lower_cells(cells, placement, early_receives=False)
+    plain = lower_cells(cells, placement, receives="plain")
     durations = costs.durations(plain.steps)
     times = cell_times(plain.steps, placement, durations, costs.p2p)
     programs = post_receives_early_cells(plain, placement, times)

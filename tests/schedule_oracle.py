@@ -72,7 +72,7 @@ def dataflow_times(
 # --------------------------------------------------------------------------------------------
 # lower
 
-RECEIVES = ("timed", "start")
+RECEIVES = ("timed", "start", "plain")
 
 
 def lower(
@@ -81,20 +81,19 @@ def lower(
     *,
     durations: Durations | None = None,
     latency: float = 0.0,
-    early_receives: bool = True,
     receives: str = "timed",
 ) -> dict[int, list[Step]]:
     """Add communication: per rank, one ``Step`` per compute cell plus a final flush if needed.
 
-    ``early_receives=False`` gives the plain rule (step k: sends of compute k-1, receives of
-    compute k). Otherwise ``receives="timed"`` (the default) applies ``post_receives_early``,
-    timed with ``durations`` (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and
-    ``latency`` per message, and ``receives="start"`` posts every receive at the start.
+    ``receives="plain"`` gives the plain rule (step k: sends of compute k-1, receives of
+    compute k); ``receives="timed"`` (the default) applies ``post_receives_early``, timed
+    with ``durations`` (default: ``simulate.Costs()``'s F=1, B=2, I=1, W=1) and ``latency``
+    per message, and ``receives="start"`` posts every receive at the start.
     """
     if receives not in RECEIVES:
         raise ValueError(f"receives must be one of {RECEIVES}, got {receives!r}")
     lowered = _lower_plain(schedule, placement)
-    if not early_receives:
+    if receives == "plain":
         return lowered
     return post_receives_early(lowered, placement, durations, latency, at_start=receives == "start")
 

@@ -103,7 +103,7 @@ def test_w_needs_and_produces_no_comm() -> None:
 
 @pytest.mark.parametrize(("name", "n", "m"), CASES)
 def test_plain_rule_sends_of_the_previous_compute_then_receives_of_this_one(name, n, m) -> None:
-    schedule, placement, plain = _lowered(name, n, m, early_receives=False)
+    schedule, placement, plain = _lowered(name, n, m, receives="plain")
     for rank, actions in schedule.items():
         steps = plain[rank]
         assert [s.compute for s in steps if s.compute is not None] == actions
@@ -121,7 +121,7 @@ def test_plain_rule_sends_of_the_previous_compute_then_receives_of_this_one(name
 
 @pytest.mark.parametrize(("name", "n", "m"), CASES)
 def test_early_receives_keep_sends_and_only_move_receives_earlier(name, n, m) -> None:
-    _, _, plain = _lowered(name, n, m, early_receives=False)
+    _, _, plain = _lowered(name, n, m, receives="plain")
     _, _, early = _lowered(name, n, m)
     for rank in plain:
         assert [s.compute for s in early[rank]] == [s.compute for s in plain[rank]]
@@ -189,7 +189,7 @@ def test_transfers_reject_a_rank_pair_received_out_of_order() -> None:
     schedule, placement = SCHEDULES["1f1b"](2, 3)
     schedule[0][0], schedule[0][1] = schedule[0][1], schedule[0][0]  # 0F1 before 0F0
     with pytest.raises(ValueError, match="rank 0 -> rank 1: messages are sent as"):
-        transfers(lower(schedule, placement, early_receives=False), placement)
+        transfers(lower(schedule, placement, receives="plain"), placement)
 
 
 def test_early_receives_hide_the_latency_the_plain_rule_exposes() -> None:
@@ -201,7 +201,7 @@ def test_early_receives_hide_the_latency_the_plain_rule_exposes() -> None:
         ideal = dataflow(schedule, placement, costs).makespan
         early = lower(schedule, placement, durations=costs.of, latency=costs.p2p)
         assert simulate(early, placement, costs).makespan == pytest.approx(ideal)
-        plain = lower(schedule, placement, early_receives=False)
+        plain = lower(schedule, placement, receives="plain")
         if name == "1f1b":
             assert simulate(plain, placement, costs).makespan > ideal
         else:  # two channels share each rank pair, read in another order than sent

@@ -99,6 +99,7 @@ CASES = {
         dict(m=4, rows=8, tuple_io=False, tied=False),
         dict(m=5, rows=10, tuple_io=False, tied=True, steps=3),
         dict(m=7, rows=7, tuple_io=True, tied=False, receives="timed"),
+        dict(m=6, rows=6, tuple_io=True, tied=True, receives="plain", steps=2),
         dict(m=4, rows=8, tuple_io=True, tied=True, per_edge=True, steps=2),
         dict(m=5, rows=10, tuple_io=True, tied=False, staged=True, steps=2),
     ],

@@ -33,7 +33,7 @@ CASES = [
     for n, m in [(1, 2), (1, 4), (2, 4), (2, 7), (3, 6), (3, 10), (5, 10), (5, 16), (8, 16)]
 ] + [(name, n, m) for name in ("1f1b", "zbv") for n, m in [(3, 2), (5, 3), (4, 1)]]
 RECEIVES = [
-    {"early_receives": False},
+    {"receives": "plain"},
     {"receives": "timed"},
     {"receives": "start"},
 ]
@@ -230,7 +230,7 @@ def test_deadlocks_are_named_as_the_old_algorithm_named_them(name: str) -> None:
 def test_rounds_and_the_work_list_time_alike(name: str, monkeypatch) -> None:
     kind = SCHEDULES[name]
     cells, placement = kind.cells(40, 81), kind.placement(40)
-    steps = lower_cells(cells, placement, early_receives=False).steps
+    steps = lower_cells(cells, placement, receives="plain").steps
     for costs in COSTS:
         rounds = cell_times(steps, placement, costs.durations(steps), costs.p2p)
         monkeypatch.setattr(timing, "_ROUND_MIN", 10**9)

@@ -49,7 +49,7 @@ def test_receives_posted_out_of_send_order_are_a_broken_dependency() -> None:
     # The plain rule posts rank 1's receives in the order it reads them (0 first): the rank
     # pair's FIFO would hand 0F1's data to 1RECV_F0.
     with pytest.raises(ScheduleError) as info:
-        simulate(lower(schedule, placement, early_receives=False), placement)
+        simulate(lower(schedule, placement, receives="plain"), placement)
     message = str(info.value)
     assert message.startswith("broken dependency")
     assert "*1F0*" in message and "<-- broken: rank 1" in message

@@ -96,7 +96,8 @@ class Pipeline:
             a hop through the sender's device thread: about 0.75x the step of "timed" on a
             busy 2-core CPU; each incoming buffer then lives from the start of the step).
             ``"timed"``: each just before its data is sent in the dataflow timing with
-            ``costs`` (the default on NCCL: receive buffers live shorter).
+            ``costs`` (the default on NCCL: receive buffers live shorter). ``"plain"``: each
+            in the batch of the compute that reads it (``graphpipe.lower``'s plain rule).
         costs: the expected action costs (``graphpipe.simulate.Costs``); with
             ``receives="timed"`` the lowering times the receives with them. Default: F=1,
             B=2, I=1, W=1.
