@@ -23,7 +23,12 @@ from graphpipe.lower import Step, lower, transfers
 from graphpipe.meta import DTYPE_CODE
 from graphpipe.roles import mark_tied, unique_parameters
 from graphpipe.runtime.accumulation import GradSync
-from graphpipe.runtime.batch import BatchAgreement, describe_keywords, keywords_signature
+from graphpipe.runtime.batch import (
+    BatchAgreement,
+    BatchSignature,
+    describe_keywords,
+    keywords_signature,
+)
 from graphpipe.runtime.clipping import GradClipper, check_clip_args
 from graphpipe.runtime.context import RankContext
 from graphpipe.runtime.loss import LossReducer
@@ -70,11 +75,28 @@ def test_the_signature_of_a_training_and_a_forward_call():
     ag = _agreement()
     x, y = torch.zeros(8, 3), torch.zeros(8, dtype=torch.float64)
     sig, loss_dtype = ag.agree(x, y, {}, True, torch.float64, call=1)
-    # train, inputs: count, (dtype, ndim, *shape); labels the same
-    assert sig == ((1, 1, F32, 2, 8, 3, 1, F64, 1, 8), ())
+    assert sig == BatchSignature(True, ((F32, 8, 3),), ((F64, 8),), ())
     assert loss_dtype is torch.float64
     sig, _ = ag.agree((x, x[:, :1]), None, {}, False, torch.float32, call=2)
-    assert sig == ((0, 2, F32, 2, 8, 3, F32, 2, 8, 1), ())
+    assert sig == BatchSignature(False, ((F32, 8, 3), (F32, 8, 1)), (), ())
+    assert sig.described() == [("inputs[0]", [8, 3], "float32"), ("inputs[1]", [8, 1], "float32")]
+
+
+def test_a_signature_from_the_agreements_words_and_what_differs_from_a_captured_one():
+    # words per part: count, then (dtype code, ndim, *shape) per tensor
+    sig = BatchSignature.from_words(True, [1, F32, 2, 8, 3], [1, F64, 1, 8], (("m", ((I64, 8),)),))
+    assert sig == BatchSignature(True, ((F32, 8, 3),), ((F64, 8),), (("m", ((I64, 8),)),))
+    assert sig.keyword_names() == ("m",)
+    assert BatchSignature.from_words(False, [], [], ()) == BatchSignature(False, (), (), ())
+    other = sig._replace(labels=((F64, 4),))
+    assert sig.mismatch(other) == (
+        "labels[0] has shape [4] float64, but the step was captured with labels[0] of shape "
+        "[8] float64; pass recapture=True to capture a graph per shape"
+    )
+    fewer = sig._replace(keywords=())
+    assert "the batch holds ['inputs[0]', 'labels[0]'], but the step was captured with" in (
+        sig.mismatch(fewer)
+    )
 
 
 @pytest.mark.parametrize(
@@ -102,7 +124,7 @@ def test_inputs_of_another_floating_dtype_than_stage_0_are_refused_outside_autoc
     ag.agree(torch.zeros(4, dtype=torch.int64), torch.zeros(4), {}, True, torch.float32, call=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sig, _ = ag.agree(torch.zeros(4, 2), torch.zeros(4), {}, True, torch.float32, call=3)
-    assert sig[0][:3] == (1, 1, F32)
+    assert sig.train and sig.inputs == ((F32, 4, 2),)
 
 
 def test_check_labels_gets_the_labels_and_the_keyword_names():
@@ -125,7 +147,7 @@ def test_keyword_rows_and_takers():
     x, y = torch.zeros(8, 3), torch.zeros(8)
     kw = {"mask": torch.ones(8, 5, dtype=torch.int64), "pos": torch.arange(8)}
     sig, _ = ag.agree(x, y, kw, True, torch.float32, 1, accepts=lambda names: 0b11)
-    assert sig[1] == (("mask", ((I64, 8, 5),)), ("pos", ((I64, 8),)))
+    assert sig.keywords == (("mask", ((I64, 8, 5),)), ("pos", ((I64, 8),)))
     with pytest.raises(ValueError, match="keyword tensor 'pos' is taken by no stage's forward"):
         ag.agree(x, y, kw, True, torch.float32, 2, accepts=lambda names: 0b01)
     with pytest.raises(ValueError, match="keyword tensor 'mask' has 4 rows but the inputs have 8"):
@@ -211,7 +233,9 @@ def _two_ranks(
 
 def test_two_ranks_that_agree_get_rank_0s_signature():
     sig, loss_dtype = _two_ranks({})
-    assert sig == ((1, 1, F32, 2, 8, 3, 1, F32, 1, 8), ()) and loss_dtype is torch.float32
+    assert (
+        sig == BatchSignature(True, ((F32, 8, 3),), ((F32, 8),), ()) and loss_dtype is torch.float32
+    )
 
 
 def test_a_peer_in_another_call_is_named():
@@ -237,7 +261,7 @@ def test_the_no_sync_flag_must_agree():
     ):
         _two_ranks({}, peer_sync=False)
     sig, _ = _two_ranks({}, peer_sync=False, sync=False)  # both inside: fine
-    assert sig[0][0] == 1
+    assert sig.train
 
 
 def test_keyword_tensors_that_differ_across_ranks_are_named():
@@ -584,7 +608,8 @@ def test_train_is_a_handshake_step_on_a_new_signature():
     loop.engine.staged = False
     program = Program([], [])
     x, y = torch.arange(4.0), torch.arange(4.0) * 10
-    a, b = ((1,), ()), ((2,), ())
+    a = BatchSignature(True, ((F32, 4),), ((F32, 4),), ())
+    b = a._replace(inputs=((F64, 4),))
     for sig in (a, a, b, b):
         loop.train(program, sig, x, y, {}, None)
     loop.forget()

@@ -14,17 +14,20 @@ waits for a peer that gave up or called something else; only when the keyword di
 do the ranks exchange their descriptions (through the store) to name the rank and keyword.
 May touch: the control group, the store on that error; nothing else.
 
-Signature: ``((train, len(inputs), (dtype code, ndim, *shape) per input tensor, len(labels),
-(...) per label tensor), keywords)``, labels only when training; ``keywords`` is
-``keywords_signature``'s ``((name, ((dtype code, *shape) per tensor)), ...)``.
+``BatchSignature`` is what was agreed: per tensor of the inputs, the labels (training only)
+and the keyword tensors its ``(dtype code, *shape)``. In the agreement buffer the inputs and
+the labels are words (``[count, (dtype code, ndim, *shape) per tensor]``, written by
+``_part``, read back by ``BatchSignature.from_words``) and the keyword tensors a digest of
+``keywords_signature``. It keys the captures, and says which tensor differs from a captured
+one (``mismatch``).
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -39,14 +42,89 @@ from .tensors import as_tuple
 if TYPE_CHECKING:
     from .groups import PipelineGroups
 
-__all__ = ["BatchAgreement", "KwSig", "Signature", "describe_keywords", "keywords_signature"]
+__all__ = [
+    "BatchAgreement",
+    "BatchSignature",
+    "KwSig",
+    "Signature",
+    "describe_keywords",
+    "keywords_signature",
+]
 
 KwSig = tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]
 """A keywords signature (``keywords_signature``)."""
-Signature = tuple[tuple[int, ...], KwSig]
-"""A call's batch signature: the inputs' and labels' words, and the keywords signature."""
 
 _PART = 64  # int64 words per part of the agreement buffer
+
+
+class BatchSignature(NamedTuple):
+    """A call's agreed batch: ``(dtype code, *shape)`` per tensor of the inputs, of the
+    labels (empty unless ``train``) and, by name, of the keyword tensors."""
+
+    train: bool
+    inputs: tuple[tuple[int, ...], ...]
+    labels: tuple[tuple[int, ...], ...]
+    keywords: KwSig
+
+    @classmethod
+    def from_words(
+        cls, train: bool, inputs: Sequence[int], labels: Sequence[int], keywords: KwSig
+    ) -> BatchSignature:
+        """The signature of the agreement's words of the inputs and the labels (each
+        ``[count, (dtype code, ndim, *shape) per tensor]``, as ``_part`` writes them; empty:
+        none) and the keywords signature."""
+        return cls(bool(train), _tensors_of(inputs), _tensors_of(labels), keywords)
+
+    def keyword_names(self) -> tuple[str, ...]:
+        """The keyword tensors' names, sorted."""
+        return tuple(name for name, _ in self.keywords)
+
+    def described(self) -> list[tuple[str, list[int], str]]:
+        """``(name, shape, dtype)`` of every tensor: ``inputs[0]``, ``labels[0]``,
+        ``keyword tensor 'mask'``, ..."""
+        out = []
+        parts = [("inputs", self.inputs), ("labels", self.labels)]
+        for name, descr in parts:
+            for k, (code, *shape) in enumerate(descr):
+                out.append((f"{name}[{k}]", shape, _dtype_name(code)))
+        for name, descr in self.keywords:
+            for k, (code, *shape) in enumerate(descr):
+                index = f"[{k}]" if len(descr) > 1 else ""
+                out.append((f"keyword tensor {name!r}{index}", shape, _dtype_name(code)))
+        return out
+
+    def mismatch(self, got: BatchSignature) -> str:
+        """Why ``got`` does not fit this (a captured step's) signature."""
+        old, new = self.described(), got.described()
+        for (name, shape, dt), (name2, shape2, dt2) in zip(old, new, strict=False):
+            if (name, shape, dt) != (name2, shape2, dt2):
+                return (
+                    f"{name2} has shape {shape2} {dt2}, but the step was captured with {name} "
+                    f"of shape {shape} {dt}; pass recapture=True to capture a graph per shape"
+                )
+        return (
+            f"the batch holds {[n for n, _, _ in new]}, but the step was captured with "
+            f"{[n for n, _, _ in old]}; pass recapture=True to capture a graph per signature"
+        )
+
+
+Signature = BatchSignature  # the name the parts use
+
+
+def _tensors_of(words: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """``(dtype code, *shape)`` per tensor of one part's words (``_part``)."""
+    if not words:
+        return ()
+    out, i = [], 1
+    for _ in range(words[0]):
+        code, ndim = words[i], words[i + 1]
+        out.append((code, *words[i + 2 : i + 2 + ndim]))
+        i += 2 + ndim
+    return tuple(out)
+
+
+def _dtype_name(code: int) -> str:
+    return str(DTYPES[code]).removeprefix("torch.")
 
 
 def _check_rows(what: str, t: torch.Tensor, m: int) -> None:
@@ -279,13 +357,11 @@ class BatchAgreement:
                     "loss_fn) on any rank: rename it to a parameter of a stage's forward, or "
                     "do not pass it"
                 )
-        n_in = vals[0]
-        sig = [int(train), *vals[1 : 1 + n_in]]
+        inputs_words = vals[1 : 1 + vals[0]]
+        labels_words = vals[_PART + 1 : _PART + 1 + vals[_PART]] if train else []
         if train:
-            n_lab = vals[_PART]
-            sig += vals[_PART + 1 : _PART + 1 + n_lab]
             loss_dtype = DTYPES[vals[2 * _PART] - 1]
-        return (tuple(sig), kw), loss_dtype
+        return BatchSignature.from_words(train, inputs_words, labels_words, kw), loss_dtype
 
     def _publish_rejection(self, call: int, e: BaseException) -> None:
         """This rank's reason for rejecting call ``call``, for the other ranks' errors."""

@@ -110,7 +110,7 @@ class StepLoop:
         if unwrap is None:
             unwrap = isinstance(labels, torch.Tensor)
         mb_lab = split(labels, m, dev, unwrap) if ctx.is_loss_rank and labels is not None else []
-        routes = runner.keyword_routes(tuple(name for name, _ in sig[1]))
+        routes = runner.keyword_routes(sig.keyword_names())
         mb_kw: list[dict[str, Any]] = []
         if routes.used:
             mb_kw = [{} for _ in range(m)]

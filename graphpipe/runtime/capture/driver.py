@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from graphpipe.meta import DTYPES, StepRecord, TensorMeta
+from graphpipe.meta import StepRecord, TensorMeta
 
 from ..batch import Signature
 from ..comm import SendTransfer
@@ -80,44 +80,6 @@ class Capture:
         self.graphs: Any = None
         self.warm_steps = 0  # eager static steps still to run before the capture
         self.keywords: Mapping[str, Any] = {}  # the PerMicrobatch structures captured
-
-
-def _decode_signature(signature: Signature) -> list[tuple[str, list[int], str]]:
-    """The named tensor descriptions of a batch signature (``batch.Signature``)."""
-    sig, kw = signature
-    out = []
-    i = 1
-    for name in ("inputs", "labels"):
-        if i >= len(sig):
-            break
-        count = sig[i]
-        i += 1
-        for k in range(count):
-            code, ndim = sig[i], sig[i + 1]
-            dtype = str(DTYPES[code]).removeprefix("torch.")
-            out.append((f"{name}[{k}]", list(sig[i + 2 : i + 2 + ndim]), dtype))
-            i += 2 + ndim
-    for name, descr in kw:
-        for k, (code, *shape) in enumerate(descr):
-            dtype = str(DTYPES[code]).removeprefix("torch.")
-            index = f"[{k}]" if len(descr) > 1 else ""
-            out.append((f"keyword tensor {name!r}{index}", shape, dtype))
-    return out
-
-
-def mismatch(captured: Signature, got: Signature) -> str:
-    """Why a batch signature does not fit the captured one."""
-    old, new = _decode_signature(captured), _decode_signature(got)
-    for (name, shape, dt), (name2, shape2, dt2) in zip(old, new, strict=False):
-        if (name, shape, dt) != (name2, shape2, dt2):
-            return (
-                f"{name2} has shape {shape2} {dt2}, but the step was captured with {name} of "
-                f"shape {shape} {dt}; pass recapture=True to capture a graph per shape"
-            )
-    return (
-        f"the batch holds {[n for n, _, _ in new]}, but the step was captured with "
-        f"{[n for n, _, _ in old]}; pass recapture=True to capture a graph per signature"
-    )
 
 
 def _static_keyword(value: Any, bufs: tuple[torch.Tensor, ...]) -> Any:
@@ -176,7 +138,7 @@ class CaptureDriver:
         cap = self.captures.get(sig)
         if cap is None:
             if self.captures and not self.recapture:
-                raise ValueError(mismatch(next(iter(self.captures)), sig))
+                raise ValueError(next(iter(self.captures)).mismatch(sig))
             check_capturable(kwargs)  # PerMicrobatch values: what has no static buffer
             return self._warmup(sig, inputs, labels, kwargs)
         check_captured(cap.keywords, kwargs)
