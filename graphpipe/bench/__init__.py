@@ -63,8 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphpipe._lazy import lazy_attributes
-from graphpipe.cli import positive_int
-from graphpipe.costs import Costs
+from graphpipe.cli_options import costs_arg, non_negative_int, positive_int
 from graphpipe.footprint import add_memory_limit_argument
 from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
@@ -118,17 +117,6 @@ __getattr__, __dir__ = lazy_attributes(
 )
 
 
-def _non_negative(text: str) -> int:
-    """``--warmup``: a whole number >= 0 (``positive_int`` wants >= 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        return positive_int(text)  # its "expected a whole number" error
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``graphpipe bench`` on the subparsers ``sub``; ``func`` is ``run``."""
     p = sub.add_parser(
@@ -177,7 +165,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--steps", type=positive_int, default=20, help="timed steps per mode (default 20)"
     )
     p.add_argument(
-        "--warmup", type=_non_negative, default=3, help="untimed rounds first (default 3)"
+        "--warmup", type=non_negative_int, default=3, help="untimed rounds first (default 3)"
     )
     p.add_argument(
         "--regime",
@@ -197,7 +185,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--costs",
-        type=_costs,
+        type=costs_arg,
         default=SYNTHETIC_COSTS,
         metavar="F=..,B=..",
         help="with --regime synthetic: how long each action sleeps, in milliseconds: F, B, I, "
@@ -220,13 +208,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_memory_limit_argument(p)
     p.set_defaults(func=run)
     return p
-
-
-def _costs(text: str) -> Costs:
-    try:
-        return Costs.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check(args: argparse.Namespace) -> str | None:
