@@ -14,7 +14,8 @@ line answers in a fraction of a second (``tests/test_cli_imports.py`` holds it t
 To add a subcommand ``NAME``: write ``_add_NAME_parser(sub)`` (creates the parser and sets
 ``func=_cmd_NAME``) and ``_cmd_NAME(args) -> int``, and list it in ``_SUBCOMMANDS``; a
 subcommand in its own module registers its parser from a module (and package ``__init__``)
-that imports nothing heavy at module level.
+that imports nothing heavy at module level. An option that several commands have (``--device``,
+the built-in model's ``--hidden``, ``--layers``, ...) comes from ``graphpipe.cli_options``.
 """
 
 from __future__ import annotations

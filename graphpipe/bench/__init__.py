@@ -63,7 +63,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphpipe._lazy import lazy_attributes
-from graphpipe.cli_options import costs_arg, non_negative_int, positive_int
+from graphpipe.cli_options import (
+    add_device_option,
+    costs_arg,
+    cuda_problem,
+    non_negative_int,
+    positive_int,
+)
 from graphpipe.footprint import add_memory_limit_argument
 from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
@@ -154,13 +160,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="R",
         help="rows per micro-batch for every regime (default: overhead 2, compute 32)",
     )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (without CUDA the benchmark is "
-        "skipped with a note, status 0) (default cpu)",
-    )
+    add_device_option(p, note="without CUDA the benchmark is skipped with a note, status 0")
     p.add_argument(
         "--steps", type=positive_int, default=20, help="timed steps per mode (default 20)"
     )
@@ -261,11 +261,9 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine under torchrun
             print(f"graphpipe bench: error: {problem}", file=sys.stderr)
         return 2
-    import torch
-
     from .rank import bench_rank, say
 
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if cuda_problem(args.device) is not None:
         why = "--device cuda was asked for, but CUDA is not available"
         say(f"skipped: {why}")
         if args.json:
