@@ -14,7 +14,8 @@ line answers in a fraction of a second (``tests/test_cli_imports.py`` holds it t
 To add a subcommand ``NAME``: write ``_add_NAME_parser(sub)`` (creates the parser and sets
 ``func=_cmd_NAME``) and ``_cmd_NAME(args) -> int``, and list it in ``_SUBCOMMANDS``; a
 subcommand in its own module registers its parser from a module (and package ``__init__``)
-that imports nothing heavy at module level.
+that imports nothing heavy at module level. An option that several commands have (``--device``,
+the built-in model's ``--hidden``, ``--layers``, ...) comes from ``graphpipe.cli_options``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from graphpipe.cli_options import costs_arg, positive_int
 from graphpipe.costs import Costs
 from graphpipe.footprint import add_memory_limit_argument
 from graphpipe.ir import SCHEDULE_KINDS
@@ -46,23 +48,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _costs(text: str) -> Costs:
-    try:
-        return Costs.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +86,7 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--format", choices=sorted(_FORMATS), default="grid", help="output format")
     p.add_argument(
         "--costs",
-        type=_costs,
+        type=costs_arg,
         default=Costs(),
         metavar="F=1,B=2,...",
         help="action costs for the simulation: F, B, I, W, FB (an overlapped F&B pair, "

@@ -23,6 +23,14 @@ import re
 import sys
 from typing import Any
 
+from graphpipe.cli_options import (
+    add_batch_options,
+    add_builtin_model_options,
+    add_device_option,
+    add_dtype_option,
+    cuda_problem,
+    first_below,
+)
 from graphpipe.ir import SCHEDULE_KINDS
 
 __all__ = ["add_parser", "parse_bytes", "run"]
@@ -100,8 +108,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "micro-batch; default as graphpipe train: 4N, or the smallest divisor of "
         "--batch-size that is at least 2N)",
     )
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    add_batch_options(p)
     p.add_argument(
         "--memory-budget",
         type=parse_bytes,
@@ -123,27 +130,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="latency of each cross-rank transfer in the prediction (default 0)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="the model's dtype (default float32)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="where the pieces are measured: cpu (with the threads each of the --ranks CPU "
-        "ranks gets) or cuda (the current GPU) (default cpu)",
+    add_dtype_option(p, meaning="the model's dtype")
+    add_device_option(
+        p,
+        meaning="where the pieces are measured: cpu (with the threads each of the --ranks CPU "
+        "ranks gets) or cuda (the current GPU)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     g = p.add_argument_group("the built-in model (without --hf)")
-    g.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    g.add_argument("--layers", type=int, default=None, help="decoder layers (default max(4, 2N-2))")
-    g.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    g.add_argument(
-        "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
-    )
+    add_builtin_model_options(g)
     p.set_defaults(func=run, parser=p)
     return p
 
@@ -152,14 +147,12 @@ def _check(args: argparse.Namespace) -> str | None:
     """The first problem with the arguments (one line), or None; fills in the defaults."""
     from graphpipe.train.options import default_layers, default_microbatches
 
-    for name in ("ranks", "batch_size", "seq_len", "reps", "hidden", "heads"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return f"--device cuda: CUDA is not available to this torch ({torch.__version__})"
+    problem = first_below(args, 1, "ranks", "batch_size", "seq_len", "reps", "hidden", "heads")
+    if problem is not None:
+        return problem
+    problem = cuda_problem(args.device)
+    if problem is not None:
+        return problem
     if not args.p2p >= 0:
         return f"--p2p must be >= 0, got {args.p2p}"
     if args.microbatches is None:
@@ -183,8 +176,9 @@ def _check(args: argparse.Namespace) -> str | None:
     else:
         if args.layers is None:
             args.layers = default_layers(args.ranks)
-        if args.layers < 1:
-            return f"--layers must be >= 1, got {args.layers}"
+        problem = first_below(args, 1, "layers")
+        if problem is not None:
+            return problem
         if args.hidden % args.heads or (args.hidden // args.heads) % 2:
             return (
                 f"--hidden {args.hidden} must split into --heads {args.heads} heads of an even size"

@@ -63,8 +63,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphpipe._lazy import lazy_attributes
-from graphpipe.cli import positive_int
-from graphpipe.costs import Costs
+from graphpipe.cli_options import (
+    add_device_option,
+    costs_arg,
+    cuda_problem,
+    non_negative_int,
+    positive_int,
+)
 from graphpipe.footprint import add_memory_limit_argument
 from graphpipe.ir import SCHEDULE_KINDS
 from graphpipe.outputs import check_output_file
@@ -118,17 +123,6 @@ __getattr__, __dir__ = lazy_attributes(
 )
 
 
-def _non_negative(text: str) -> int:
-    """``--warmup``: a whole number >= 0 (``positive_int`` wants >= 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        return positive_int(text)  # its "expected a whole number" error
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``graphpipe bench`` on the subparsers ``sub``; ``func`` is ``run``."""
     p = sub.add_parser(
@@ -166,18 +160,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="R",
         help="rows per micro-batch for every regime (default: overhead 2, compute 32)",
     )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (without CUDA the benchmark is "
-        "skipped with a note, status 0) (default cpu)",
-    )
+    add_device_option(p, note="without CUDA the benchmark is skipped with a note, status 0")
     p.add_argument(
         "--steps", type=positive_int, default=20, help="timed steps per mode (default 20)"
     )
     p.add_argument(
-        "--warmup", type=_non_negative, default=3, help="untimed rounds first (default 3)"
+        "--warmup", type=non_negative_int, default=3, help="untimed rounds first (default 3)"
     )
     p.add_argument(
         "--regime",
@@ -197,7 +185,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--costs",
-        type=_costs,
+        type=costs_arg,
         default=SYNTHETIC_COSTS,
         metavar="F=..,B=..",
         help="with --regime synthetic: how long each action sleeps, in milliseconds: F, B, I, "
@@ -220,13 +208,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_memory_limit_argument(p)
     p.set_defaults(func=run)
     return p
-
-
-def _costs(text: str) -> Costs:
-    try:
-        return Costs.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -280,11 +261,9 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine under torchrun
             print(f"graphpipe bench: error: {problem}", file=sys.stderr)
         return 2
-    import torch
-
     from .rank import bench_rank, say
 
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if cuda_problem(args.device) is not None:
         why = "--device cuda was asked for, but CUDA is not available"
         say(f"skipped: {why}")
         if args.json:

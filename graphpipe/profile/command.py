@@ -91,12 +91,14 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from graphpipe.cli_options import first_below
     from graphpipe.launch import joined_torchrun, launch
     from graphpipe.outputs import check_output_dir
     from graphpipe.train.checks import check_model, torchrun_world
 
-    if args.steps < 1:
-        return _fail(f"--steps must be >= 1, got {args.steps}")
+    problem = first_below(args, 1, "steps")
+    if problem is not None:
+        return _fail(problem)
     out = Path(args.out)
     problem = check_output_dir("--out", out)
     if problem is not None:
@@ -104,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_nsys is not None:
         return _from_nsys(args, out)
     problem = torchrun_world(args) or check_model(args)
-    if problem is None and args.warmup < 0:
-        problem = f"--warmup must be >= 0, got {args.warmup}"
+    problem = problem or first_below(args, 0, "warmup")
     if problem is None and args.clock == "gpu" and args.device != "cuda":
         problem = "--clock gpu needs --device cuda (a CPU run has no GPU clock)"
     if problem is None:

@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 
+from graphpipe.cli_options import cuda_problem, first_below
 from graphpipe.outputs import check_output_dir, check_output_file
 from graphpipe.splits import check_layers_per_stage, layers_per_stage
 
@@ -23,8 +24,9 @@ __all__ = ["check_model", "check_train", "torchrun_world"]
 
 
 def _check_moe(args: argparse.Namespace) -> str | None:
-    if args.experts < 0:
-        return f"--experts must be >= 0, got {args.experts}"
+    problem = first_below(args, 0, "experts")
+    if problem is not None:
+        return problem
     if args.top_k < 1 or (args.experts and args.top_k > args.experts):
         return f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}"
     if not args.capacity_factor > 0:
@@ -59,13 +61,10 @@ def check_model(args: argparse.Namespace) -> str | None:
     ``--layers-per-stage`` when only that is given), ``layers_per_stage`` (the even split when
     not given)).
     """
-    for name in ("ranks", "batch_size", "seq_len", "hidden", "heads"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("microbatches", "layers"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
+    names = ("ranks", "batch_size", "seq_len", "hidden", "heads", "microbatches", "layers")
+    problem = first_below(args, 1, *names)
+    if problem is not None:
+        return problem
     dp = getattr(args, "dp", 1)
     if dp < 1:
         return f"--dp must be >= 1, got {dp}"
@@ -130,12 +129,11 @@ def _check_data(args: argparse.Namespace) -> str | None:
 
 
 def _check_device(args: argparse.Namespace) -> str | None:
-    if args.device != "cuda":
-        return None
+    problem = cuda_problem(args.device)
+    if args.device != "cuda" or problem is not None:
+        return problem
     import torch
 
-    if not torch.cuda.is_available():
-        return f"--device cuda: CUDA is not available to this torch ({torch.__version__})"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks * getattr(args, "dp", 1)))
     if local > torch.cuda.device_count():
         return (
@@ -155,11 +153,9 @@ def check_train(args: argparse.Namespace) -> str | None:
     Also sets ``resume_from`` / ``resume_step`` (the checkpoint to continue from, or None / 0).
     """
     args.resume_from, args.resume_step = None, 0
-    for name in ("steps", "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        return f"--checkpoint-every must be >= 1, got {args.checkpoint_every}"
+    problem = first_below(args, 1, "steps", "keep_checkpoints", "checkpoint_every")
+    if problem is not None:
+        return problem
     # The outputs first: nothing (--data, a checkpoint to resume from) is read before them.
     if args.metrics is not None:
         problem = check_output_file("--metrics", args.metrics)

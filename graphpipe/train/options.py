@@ -1,13 +1,21 @@
 """The options of ``graphpipe train``'s model, data and pipeline, shared with ``profile``.
 
-Owns: ``add_model_options`` (the argparse options) and the defaults that depend on other
-options (``default_microbatches``, ``default_layers``). Imports nothing heavy: the command
-line builds its parsers from here without importing torch.
+Owns: ``add_model_options`` (the argparse options; those other commands have too, such as
+``--device``, ``--hidden`` or ``--batch-size``, are ``graphpipe.cli_options``' builders) and
+the defaults that depend on other options (``default_microbatches``, ``default_layers``).
+Imports nothing heavy: the command line builds its parsers from here without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
+
+from graphpipe.cli_options import (
+    add_batch_options,
+    add_builtin_model_options,
+    add_device_option,
+    add_dtype_option,
+)
 
 __all__ = ["add_model_options", "default_layers", "default_microbatches", "layer_counts"]
 
@@ -62,21 +70,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--batch-size evenly (default 4N, or the smallest divisor of that share that is at "
         "least 2N: 8 for N=3)",
     )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=16,
-        help="sequences per step, a multiple of --microbatches (default 16)",
-    )
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="decoder layers, at least 2N-2 so that every middle stage gets one "
-        "(default max(4, 2N-2): 4 for N <= 3, or the sum of --layers-per-stage)",
-    )
+    add_batch_options(p)
+    add_builtin_model_options(p, layers_note=", or the sum of --layers-per-stage")
     p.add_argument(
         "--layers-per-stage",
         type=layer_counts,
@@ -86,12 +81,6 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "embedding, stage 2N-1 the head; under DualPipeV rank r holds stages r and 2N-1-r): "
         "every middle stage at least one, the first and last may hold none; `graphpipe plan` "
         "suggests one (default: as even as possible)",
-    )
-    p.add_argument(
-        "--heads",
-        type=int,
-        default=4,
-        help="attention heads; --hidden / --heads must be even (default 4)",
     )
     p.add_argument(
         "--lr",
@@ -106,27 +95,14 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a text file to train on (default: the Python standard library's *.py files)",
     )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank (default cpu)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="bfloat16 runs the stages under torch.autocast (default float32)",
-    )
+    add_device_option(p)
+    add_dtype_option(p, meaning="bfloat16 runs the stages under torch.autocast")
     p.add_argument(
         "--capture",
         choices=("none", "step", "action"),
         default="none",
         help="capture the step after one eager warmup step: CUDA graphs per step or per "
         "action on GPU, the static replay on CPU (default none)",
-    )
-    p.add_argument(
-        "--no-kernels", action="store_true", help="plain torch ops instead of graphpipe.kernels"
     )
     _add_moe_options(p)
 
