@@ -53,6 +53,7 @@ __all__ = [
     "WeightGradStore",
     "make_deferrable",
     "no_defer",
+    "switch_linears",
 ]
 
 _NO_DEFER = "_graphpipe_no_defer"
@@ -420,7 +421,33 @@ def _switchable(m: nn.Module) -> bool:
         isinstance(m, nn.Linear)
         and type(m).forward is nn.Linear.forward
         and not parametrize.is_parametrized(m)
+        # a forward set on the instance (a wrapper) calls the forward it wrapped: a class
+        # switch now would not reach it (switch_linears before wrapping)
+        and "forward" not in m.__dict__
     )
+
+
+def switch_linears(module: nn.Module) -> int:
+    """Switch the Linear layers in ``module`` to ``DeferrableLinear`` now, bound to no store
+    (so they run exactly as ``nn.Linear`` until a pipeline binds its store with
+    ``make_deferrable``). For code that wraps a layer's ``forward`` on the instance (as
+    torchtitan's ``Module.parallelize`` does: the wrapper calls the bound forward it found),
+    call this before the wrapping, so that the wrapper calls ``DeferrableLinear.forward``;
+    ``graphpipe.integrations.torchtitan.pipelining_fn`` does. Modules marked ``no_defer`` are
+    skipped. Returns the number of layers switched."""
+    count = 0
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or m.__dict__.get(_NO_DEFER, False):
+            continue  # no_defer: the module and everything inside it
+        seen.add(id(m))
+        if not isinstance(m, DeferrableLinear) and _switchable(m):
+            m.__class__ = _deferrable_class(type(m))
+            count += 1
+        stack.extend(m.children())
+    return count
 
 
 def _why_not_deferred(m: nn.Module) -> str | None:
@@ -431,6 +458,13 @@ def _why_not_deferred(m: nn.Module) -> str | None:
         if parametrize.is_parametrized(m):
             return (
                 "it is parametrized (torch.nn.utils.parametrize): its weight is computed in forward"
+            )
+        if "forward" in m.__dict__:
+            return (
+                "its forward is an instance attribute (a wrapper set on the module, as "
+                "torchtitan's Module.parallelize sets), which calls the forward it wrapped, not "
+                "the class's; call graphpipe.weightgrad.switch_linears(model) before the "
+                "wrapping (graphpipe's torchtitan pipelining_fn does)"
             )
         return f"its class {cls} overrides nn.Linear.forward"
     if isinstance(m, nn.MultiheadAttention):

@@ -152,6 +152,8 @@ def _job(
             }
         )
     if impl != "torch":
+        out["deferrable"] = schedule.pipe.num_deferrable
+        out["idle_w"] = schedule.pipe.runner.idle_weight_stages()
         schedule.close()
     return out
 
@@ -203,6 +205,8 @@ def test_pipelining_fn_steps_like_torchs_schedules_on_torchtitans_llama3() -> No
     # Interleaved1F1B places stage 3 (the loss) on rank 1.
     _losses_equal(interleaved[1]["losses"], got[0]["losses"])
     assert got[0]["losses"][0], "rank 0 (the last stage under DualPipeV) reported no loss"
+    for r in got:  # the Linears defer through torchtitan's forward wrappers (switch_linears)
+        assert all(r["deferrable"]) and r["idle_w"] == [], (r["deferrable"], r["idle_w"])
     full = [{**interleaved[0]["grads"][s], **interleaved[1]["grads"][s]} for s in range(steps)]
     mine = [{**got[0]["grads"][s], **got[1]["grads"][s]} for s in range(steps)]
     torch_v = [{**dualpipev[0]["grads"][s], **dualpipev[1]["grads"][s]} for s in range(steps)]

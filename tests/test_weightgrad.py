@@ -18,6 +18,7 @@ from graphpipe.weightgrad import (
     DeferrableLinear,
     WeightGradStore,
     make_deferrable,
+    switch_linears,
 )
 from tests.pipeline_models import batch, build_stages, mse
 
@@ -127,6 +128,42 @@ def test_layers_that_cannot_be_deferred_warn_once_naming_path_and_class():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per module: a second pipeline says nothing
         assert make_deferrable(model, WeightGradStore()) == 1
+
+
+def _wrap_forward(m: nn.Module) -> None:
+    """What torchtitan's Module.parallelize does: a wrapper around the bound forward found
+    now, set on the instance."""
+    fn = m.forward
+
+    def forward_with_redistribution(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    m.forward = forward_with_redistribution
+
+
+def test_a_forward_wrapped_on_the_instance_defers_only_when_switched_before_the_wrapping():
+    x = torch.randn(3, 2, dtype=torch.float64)
+    late = nn.Linear(2, 2).double()
+    _wrap_forward(late)
+    with pytest.warns(UserWarning, match=r"its forward is an instance attribute .*switch_linears"):
+        assert make_deferrable(nn.Sequential(late), WeightGradStore(), where="stage 1") == 0
+    assert not isinstance(late, DeferrableLinear)  # a switch would not reach the wrapper
+    early = nn.Linear(2, 2).double()
+    assert switch_linears(nn.Sequential(early, graphpipe.no_defer(nn.Linear(2, 2)))) == 1
+    assert isinstance(early, DeferrableLinear)
+    _wrap_forward(early)
+    store = WeightGradStore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_deferrable(early, store) == 1
+    ref = copy.deepcopy(early)
+    with store.deferring("w"):
+        early(x).sum().backward()
+    assert early.weight.grad is None  # deferred to the W, through the wrapper
+    store.run("w")
+    F_ref = torch.nn.functional.linear(x, ref.weight, ref.bias).sum()
+    F_ref.backward()
+    torch.testing.assert_close(early.weight.grad, ref.weight.grad, rtol=0, atol=0)
 
 
 def test_no_defer_silences_the_warning_and_embeddings_never_warn():
