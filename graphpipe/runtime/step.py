@@ -31,7 +31,7 @@ from .batch import Signature
 from .context import RankContext
 from .program import Program
 from .structured import PerMicrobatch
-from .tensors import split
+from .tensors import split_microbatches
 
 if TYPE_CHECKING:
     from graphpipe.nvtx import Ranges
@@ -106,10 +106,14 @@ class StepLoop:
         tensor, as ``loss_fn`` then gets them); ``infer``: for a forward-only run."""
         ctx, runner = self.ctx, self.runner
         m, dev = ctx.num_microbatches, ctx.device
-        mb_in = split(inputs, m, dev) if ctx.is_input_rank else []
+        mb_in = split_microbatches(inputs, m, dev) if ctx.is_input_rank else []
         if unwrap is None:
             unwrap = isinstance(labels, torch.Tensor)
-        mb_lab = split(labels, m, dev, unwrap) if ctx.is_loss_rank and labels is not None else []
+        mb_lab = (
+            split_microbatches(labels, m, dev, unwrap)
+            if ctx.is_loss_rank and labels is not None
+            else []
+        )
         routes = runner.keyword_routes(sig.keyword_names())
         mb_kw: list[dict[str, Any]] = []
         if routes.used:
@@ -119,7 +123,9 @@ class StepLoop:
                 if isinstance(value, PerMicrobatch):  # one value per micro-batch, as given
                     parts = value.microbatches(m, dev)
                 else:
-                    parts = split(value, m, dev, unwrap=isinstance(value, torch.Tensor))
+                    parts = split_microbatches(
+                        value, m, dev, unwrap=isinstance(value, torch.Tensor)
+                    )
                 for i, part in enumerate(parts):
                     mb_kw[i][name] = part
         runner.begin(mb_in, mb_lab, mb_kw, routes, infer=infer)

@@ -14,7 +14,7 @@ import torch
 
 from graphpipe.meta import is_dtensor
 
-__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "local_shard", "plain", "split"]
+__all__ = ["Tensors", "as_tuple", "grad_or_zeros", "local_shard", "plain", "split_microbatches"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -34,7 +34,7 @@ def as_tuple(x: Any, what: Any = "value") -> Tensors:
     raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {got}")
 
 
-def split(part: Any, m: int, device: torch.device, unwrap: bool = False) -> list[Any]:
+def split_microbatches(part: Any, m: int, device: torch.device, unwrap: bool = False) -> list[Any]:
     """``part`` (a tensor or tuple) on ``device``, chunked on dim 0 into ``m`` micro-batches;
     ``unwrap``: a single tensor per micro-batch instead of a 1-tuple."""
     chunks = [t.to(device, non_blocking=True).chunk(m) for t in as_tuple(part)]
