@@ -80,6 +80,7 @@ def _case(mesh, case: dict) -> dict:
             dp_group=mesh.get_group("dp"),
             loss_reduction=case.get("reduction", "mean"),
             capture=case.get("capture", False),
+            defer_weight_grads=case.get("defer", True),
         )
     finally:
         ShardedStages.finish = finish
@@ -162,6 +163,10 @@ CASES = {
     "dualpipev-sum": dict(schedule="dualpipev", raf=True, reduction="sum"),
     "dualpipev-capture": dict(schedule="dualpipev", raf=False, capture=True),
     "dualpipev-mixed": dict(schedule="dualpipev", raf=True, mixed=True, dtype=torch.float32),
+    "zbv-mixed": dict(schedule="zbv", raf=False, mixed=True, dtype=torch.float32),
+    "zbv-mixed-undeferred": dict(
+        schedule="zbv", raf=False, mixed=True, dtype=torch.float32, defer=False
+    ),
 }
 
 
@@ -212,7 +217,18 @@ def test_fsdp2_stages_train_as_the_whole_model(results, name: str) -> None:
         else:
             assert r["out"] is None
         # both Linears of every stage defer, also one sharded on its own (an FSDPLinear)
-        assert all(n == 2 for n in r["deferrable"]), r["deferrable"]
+        want = 2 if case.get("defer", True) else 0
+        assert all(n == want for n in r["deferrable"]), r["deferrable"]
+
+
+def test_deferred_weight_gradients_under_bf16_parameters_equal_undeferred_bit_for_bit(results):
+    """After each W the deferred (bf16) weight gradients go into FSDP2's float32
+    accumulator at once, as autograd's do after each backward: the same sums."""
+    for rank, res in enumerate(results):
+        deferred, whole = res["zbv-mixed"], res["zbv-mixed-undeferred"]
+        assert deferred["losses"] == whole["losses"], rank
+        for key, value in deferred["params"].items():
+            assert torch.equal(value, whole["params"][key]), (rank, key)
 
 
 def test_each_stage_is_reduce_scattered_as_soon_as_its_gradients_are_final(results) -> None:

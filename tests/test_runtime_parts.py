@@ -444,6 +444,17 @@ def test_install_runs_the_parts_hooks_in_the_order_given_at_each_point():
     assert len(program.instrs) == 7
 
 
+def test_after_weights_hooks_run_after_each_w_before_the_after_grads_hooks():
+    steps = [Step((), Action.parse(a)) for a in ("0F0", "0I0", "0F1", "0W0", "0B1", "0F2", "0I2")]
+    steps.append(Step((), Action.parse("0W2")))
+    program = Program([Instr((), (), _noop, (), str(st.compute)) for st in steps], steps)
+    assert program.weight_steps() == {0: [3, 7]}
+    fold, finish = (lambda: None), (lambda: None)
+    program.install(StepHooks(after_grads=((0, finish),), after_weights=((0, fold),)))
+    assert program.instrs[4].posts == (fold,)  # after 0W0
+    assert program.instrs[8] == Instr((fold, finish), (), None, (), "")  # after 0W2, the last
+
+
 # --------------------------------------------------------------------------------------------
 # step.py
 

@@ -39,7 +39,6 @@ Owns: nothing. May touch: what torchtitan's ``pipeline_llm`` touches (the model 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -126,24 +125,7 @@ def pipelining_fn(
             "not wire yet"
         )
 
-    defer = options.get("defer_weight_grads")
-    if defer is None:
-        # FSDP2 with bf16 parameters accumulates autograd's weight gradients in its float32
-        # buffer; graphpipe's deferred and fused ones go into the bf16 unsharded .grad first,
-        # a bf16 rounding (about 1e-3 relative, measured) that the non-deferred run has not.
-        precision = getattr(training, "mixed_precision_param", "float32")
-        defer = precision == "float32"
-        if not defer:
-            warnings.warn(
-                f"graphpipe pipelining_fn: deferred weight gradients are off with "
-                f"training.mixed_precision_param={precision!r}: under FSDP2's bf16 "
-                "parameters a deferred weight gradient is rounded to bf16 before FSDP2's "
-                "float32 accumulation, where autograd's is not; pass "
-                "defer_weight_grads=True to defer anyway, or False to say so",
-                UserWarning,
-                stacklevel=2,
-            )
-    options["defer_weight_grads"] = defer
+    defer = options.get("defer_weight_grads", True)
 
     def parallelize_deferrable(part: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         # torchtitan's Module.parallelize wraps each layer's forward on the instance (the

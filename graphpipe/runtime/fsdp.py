@@ -125,7 +125,27 @@ class ShardedStages:
                 for li, s in enumerate(self.stage_ids)
                 if self.roots[li]
             ),
+            after_weights=tuple(
+                (s, functools.partial(self.fold, li))
+                for li, s in enumerate(self.stage_ids)
+                if self.roots[li]
+            ),
         )
+
+    def fold(self, li: int) -> None:
+        """After a ``W`` of local stage ``li``: its deferred weight gradients, written into
+        the unsharded ``.grad`` (the parameter dtype), go into FSDP2's accumulated gradient
+        now, as FSDP's post-backward does with autograd's after every backward. Else a later
+        backward's autograd would add its gradient to them in the parameter dtype first:
+        one rounding more under bf16 parameters with a float32 ``reduce_dtype``."""
+        from torch.distributed.fsdp import fully_shard
+
+        for root in self.roots[li]:
+            for st in fully_shard.state(root)._state_ctx.all_states:
+                for group in param_groups(st):
+                    for p in group.fsdp_params:
+                        p.accumulate_unsharded_grad_if_needed()
+                        p.to_accumulated_grad_if_needed()
 
     def infer_hooks(self) -> StepHooks:
         """After a forward-only run: ``reshard``."""

@@ -62,12 +62,15 @@ class StepHooks:
     after_grads: ``(stage, fn)``: ``fn()`` right after the stage's last ``B``, ``I`` or ``W``
         of the step (``Program.last_grad_steps``; the last lowered step for a stage without),
         as the first posts of the next instruction: the stage's gradients are final there.
+    after_weights: ``(stage, fn)``: ``fn()`` right after each of the stage's ``W`` actions
+        (before any ``after_grads`` hook at the same point).
     trailing: instructions after the lowered steps (and after every ``after_grads`` hook
         that falls past the last step).
     """
 
     first: tuple[Callable[[], None], ...] = ()
     after_grads: tuple[tuple[int, Callable[[], None]], ...] = ()
+    after_weights: tuple[tuple[int, Callable[[], None]], ...] = ()
     trailing: tuple[Trailing, ...] = ()
 
 
@@ -99,6 +102,11 @@ class Program:
             self.instrs[0] = _prefixed(self.instrs[0], *firsts)
         final = self.grads_final(sorted({s for h in hooks for s, _ in h.after_grads}))
         after: dict[int, list[Callable[[], None]]] = {}
+        weights = self.weight_steps()
+        for h in hooks:
+            for stage, fn in h.after_weights:
+                for k in weights.get(stage, ()):
+                    after.setdefault(k, []).append(fn)
         for h in hooks:
             for stage, fn in h.after_grads:
                 after.setdefault(final[stage], []).append(fn)
@@ -113,6 +121,15 @@ class Program:
         its last ``B``, ``I`` or ``W``, or the last lowered step for a stage without."""
         last, end = self.last_grad_steps(), len(self.steps) - 1
         return {s: last.get(s, end) for s in stages}
+
+    def weight_steps(self) -> dict[int, list[int]]:
+        """``{stage: [instruction index, ...]}`` of each stage's ``W`` actions."""
+        out: dict[int, list[int]] = {}
+        for k, step in enumerate(self.steps):
+            for part in step.compute.parts() if step.compute is not None else ():
+                if part.op is Op.W:
+                    out.setdefault(part.stage, []).append(k)
+        return out
 
     def last_grad_steps(self) -> dict[int, int]:
         """``{stage: instruction index}`` of each stage's last ``B``, ``I`` or ``W``: after it
