@@ -256,3 +256,17 @@ def test_one_process_dualpipev_trains_like_the_modules_alone() -> None:
     with pytest.raises(RuntimeError, match="loss_fn=None"):
         gp_pp.ScheduleDualPipeV([_fake(0, 2), _fake(1, 2)], 2).step(x)
     sched.close()
+
+
+@pytest.mark.parametrize(
+    ("cls", "schedule"),
+    [
+        ("ScheduleDualPipeV", "dualpipev"),
+        ("ScheduleZBVZeroBubble", "zbv"),
+        ("Schedule1F1B", "1f1b"),
+        ("ScheduleGPipe", "gpipe"),
+    ],
+)
+def test_a_named_schedule_class_refuses_another_schedule(cls: str, schedule: str) -> None:
+    with pytest.raises(TypeError, match=f"^{cls} runs {schedule}; use PipelineSchedule"):
+        getattr(gp_pp, cls)([], 4, schedule="1f1b")

@@ -492,37 +492,43 @@ class PipelineSchedule:
         self.pipe.close()
 
 
-class ScheduleDualPipeV(PipelineSchedule):
+class _OneSchedule(PipelineSchedule):
+    """A torch schedule class that runs one graphpipe schedule (``_schedule``)."""
+
+    _schedule = ""
+
+    def __init__(self, stages: Sequence[Any], n_microbatches: int, *a: Any, **kw: Any) -> None:
+        if "schedule" in kw:
+            raise TypeError(
+                f"{self._torch_name} runs {self._schedule}; use PipelineSchedule for others"
+            )
+        super().__init__(stages, n_microbatches, *a, schedule=self._schedule, **kw)
+
+
+class ScheduleDualPipeV(_OneSchedule):
     """torch's ``ScheduleDualPipeV`` (``stages``: this rank's two, stages ``r`` and
     ``2N-1-r``; ``n_microbatches >= 2N``), run as graphpipe's DualPipeV with its F&B overlap.
     See ``PipelineSchedule``."""
 
     _torch_name = "ScheduleDualPipeV"
-
-    def __init__(self, stages: Sequence[Any], n_microbatches: int, *a: Any, **kw: Any) -> None:
-        if "schedule" in kw:
-            raise TypeError("ScheduleDualPipeV runs dualpipev; use PipelineSchedule for others")
-        super().__init__(stages, n_microbatches, *a, schedule="dualpipev", **kw)
+    _schedule = "dualpipev"
 
 
-class ScheduleZBVZeroBubble(PipelineSchedule):
+class ScheduleZBVZeroBubble(_OneSchedule):
     """torch's ``ScheduleZBVZeroBubble`` (V placement, two stages per rank), as graphpipe's
     ``"zbv"``. See ``PipelineSchedule``."""
 
     _torch_name = "ScheduleZBVZeroBubble"
-
-    def __init__(self, stages: Sequence[Any], n_microbatches: int, *a: Any, **kw: Any) -> None:
-        if "schedule" in kw:
-            raise TypeError("ScheduleZBVZeroBubble runs zbv; use PipelineSchedule for others")
-        super().__init__(stages, n_microbatches, *a, schedule="zbv", **kw)
+    _schedule = "zbv"
 
 
-class Schedule1F1B(PipelineSchedule):
+class Schedule1F1B(_OneSchedule):
     """torch's ``Schedule1F1B``: one ``PipelineStage`` per rank (``stage``, not a list).
     See ``PipelineSchedule`` (torch's single-stage schedules take no ``use_full_backward``,
     ``backward_requires_autograd`` or ``defer_pp_recv``)."""
 
     _torch_name = "Schedule1F1B"
+    _schedule = "1f1b"
 
     def __init__(
         self,
@@ -535,8 +541,6 @@ class Schedule1F1B(PipelineSchedule):
         scale_grads: bool = True,
         **kw: Any,
     ) -> None:
-        if "schedule" in kw:
-            raise TypeError("Schedule1F1B runs 1f1b; use PipelineSchedule for others")
         super().__init__(
             [stage],
             n_microbatches,
@@ -545,7 +549,6 @@ class Schedule1F1B(PipelineSchedule):
             kwargs_chunk_spec,
             output_merge_spec,
             scale_grads=scale_grads,
-            schedule="1f1b",
             **kw,
         )
 
@@ -555,29 +558,4 @@ class ScheduleGPipe(Schedule1F1B):
     See ``PipelineSchedule``."""
 
     _torch_name = "ScheduleGPipe"
-
-    def __init__(
-        self,
-        stage: Any,
-        n_microbatches: int,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        args_chunk_spec: Any = None,
-        kwargs_chunk_spec: Any = None,
-        output_merge_spec: Any = None,
-        scale_grads: bool = True,
-        **kw: Any,
-    ) -> None:
-        if "schedule" in kw:
-            raise TypeError("ScheduleGPipe runs gpipe; use PipelineSchedule for others")
-        PipelineSchedule.__init__(
-            self,
-            [stage],
-            n_microbatches,
-            loss_fn,
-            args_chunk_spec,
-            kwargs_chunk_spec,
-            output_merge_spec,
-            scale_grads=scale_grads,
-            schedule="gpipe",
-            **kw,
-        )
+    _schedule = "gpipe"
