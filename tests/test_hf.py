@@ -99,6 +99,32 @@ def stage_grads(stages) -> dict[str, torch.Tensor]:
     }
 
 
+def hf_step(pipe, d: dict) -> torch.Tensor:
+    """``pipe.step`` of batch ``d`` as HF counts it: the ids on the input rank, the labels on
+    the loss rank, the mask on every rank, and HF's number of valid tokens."""
+    return pipe.step(
+        d["ids"] if pipe.is_input_rank else None,
+        d["labels"] if pipe.is_loss_rank else None,
+        attention_mask=d["mask"],
+        num_items_in_batch=causal_lm_num_items(d["labels"]),
+    )
+
+
+def step_matches_hf(stages, cfg, d: dict) -> None:
+    """One-rank DualPipeV of ``stages`` (summed loss, HF's token count) on batch ``d``: its
+    loss and every gradient against HF's model of ``cfg`` on the whole batch."""
+    pipe = graphpipe.DualPipeV(
+        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
+    )
+    loss = hf_step(pipe, d)
+    ref_loss, ref_grads = hf_reference(build(cfg), d)
+    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
+    grads = stage_grads(stages)
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=name)
+
+
 def _train(rank: int, world: int, case: dict) -> dict:
     cfg = config(attn=case["attn"], tied=case["tied"])
     n = 2 * world if case["schedule"] == "dualpipev" else world
@@ -121,12 +147,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
     for _ in range(case.get("steps", 1)):
         for s in mine:
             s.zero_grad(set_to_none=False)
-        loss = pipe.step(
-            d["ids"] if pipe.is_input_rank else None,
-            d["labels"] if pipe.is_loss_rank else None,
-            attention_mask=d["mask"],
-            num_items_in_batch=causal_lm_num_items(d["labels"]),
-        )
+        loss = hf_step(pipe, d)
         losses.append(loss.clone())
     grads = stage_grads(mine)
     pipe.close()
@@ -194,22 +215,7 @@ def test_mistral_and_qwen_with_sliding_windows_train_in_one_process(kind, extra)
             ("full_attention", "full_attention"),
             ("sliding_attention", "sliding_attention"),
         ]
-    pipe = graphpipe.DualPipeV(
-        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
-    )
-    d = batch(lengths)
-    loss = pipe.step(
-        d["ids"],
-        d["labels"],
-        attention_mask=d["mask"],
-        num_items_in_batch=causal_lm_num_items(d["labels"]),
-    )
-    ref_loss, ref_grads = hf_reference(build(cfg), d)
-    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
-    grads = stage_grads(stages)
-    assert set(grads) == set(ref_grads)
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=name)
+    step_matches_hf(stages, cfg, batch(lengths))
 
 
 def test_loss_reduction_mean_averages_hfs_loss_of_each_micro_batch() -> None:
@@ -294,12 +300,7 @@ def _export(rank: int, world: int, root: str) -> dict:
     for step in range(2):
         opt.zero_grad()
         d = batch(seed=10 + step)
-        pipe.step(
-            d["ids"] if rank == 0 else None,
-            d["labels"] if rank == 0 else None,
-            attention_mask=d["mask"],
-            num_items_in_batch=causal_lm_num_items(d["labels"]),
-        )
+        hf_step(pipe, d)
         opt.step()
     save_checkpoint(root, 2, mine, opt)
     d = batch(seed=20)
@@ -390,22 +391,7 @@ def test_a_chosen_split_trains_as_the_unsplit_model(counts) -> None:
     assert [len(s.layers) for s in stages] == counts
     assert [s.first_layer for s in stages] == [0, counts[0]]
     assert unsplit_keys(stages[0]).get("layers.0") == ("model.layers.0" if counts[0] else None)
-    pipe = graphpipe.DualPipeV(
-        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
-    )
-    d = batch()
-    loss = pipe.step(
-        d["ids"],
-        d["labels"],
-        attention_mask=d["mask"],
-        num_items_in_batch=causal_lm_num_items(d["labels"]),
-    )
-    ref_loss, ref_grads = hf_reference(build(cfg), d)
-    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
-    grads = stage_grads(stages)
-    assert set(grads) == set(ref_grads)
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=name)
+    step_matches_hf(stages, cfg, batch())
 
 
 def test_a_chosen_split_of_four_stages_gives_the_models_logits() -> None:
@@ -442,7 +428,7 @@ def test_a_chosen_split_that_does_not_fit_is_refused_naming_it(counts, message) 
 
 # ------------------------------------------------------------------ families outside the table
 
-UNTESTED = dict(
+TINY = dict(  # every tiny config's shape (families outside the table; tests/test_hf_families.py)
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -472,25 +458,10 @@ UNTESTED = dict(
     ],
 )
 def test_a_family_outside_the_table_is_checked_on_a_probe_and_trains_exactly(name, extra) -> None:
-    cfg = getattr(transformers, name)(**UNTESTED, **extra, attn_implementation="eager")
+    cfg = getattr(transformers, name)(**TINY, **extra, attn_implementation="eager")
     assert cfg.model_type not in graphpipe.models.hf.SUPPORTED_MODEL_TYPES
     stages = split_hf_causal_lm(build(cfg), 2)
-    pipe = graphpipe.DualPipeV(
-        stages, num_microbatches=2, loss_fn=causal_lm_loss, loss_reduction="sum"
-    )
-    d = batch((8, 5, 7, 6))
-    loss = pipe.step(
-        d["ids"],
-        d["labels"],
-        attention_mask=d["mask"],
-        num_items_in_batch=causal_lm_num_items(d["labels"]),
-    )
-    ref_loss, ref_grads = hf_reference(build(cfg), d)
-    torch.testing.assert_close(loss.float(), ref_loss, **LOSS_TOL)
-    grads = stage_grads(stages)
-    assert set(grads) == set(ref_grads)
-    for key, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[key], **GRAD_TOL, msg=key)
+    step_matches_hf(stages, cfg, batch((8, 5, 7, 6)))
 
 
 class _ScaledLlama(transformers.LlamaModel):
@@ -501,7 +472,7 @@ class _ScaledLlama(transformers.LlamaModel):
 
 
 def test_a_family_whose_forward_differs_is_refused_naming_what_differs() -> None:
-    cohere = transformers.CohereConfig(**UNTESTED, logit_scale=0.5)
+    cohere = transformers.CohereConfig(**TINY, logit_scale=0.5)
     with pytest.raises(
         ValueError,
         match=r"CohereForCausalLM \(config\.model_type='cohere'\) is not one of the tested "

@@ -11,14 +11,23 @@ import torch
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
 
 from tests.spawn import run_ranks
-from tests.test_hf import GRAD_TOL, LOSS_TOL, batch, build, config, hf_reference, stage_grads
+from tests.test_hf import (
+    GRAD_TOL,
+    LOSS_TOL,
+    batch,
+    build,
+    config,
+    hf_reference,
+    hf_step,
+    stage_grads,
+)
 
 pytestmark = pytest.mark.distributed
 
 
 def _two_calls(rank: int, world: int) -> dict:
     import graphpipe
-    from graphpipe.models import causal_lm_loss, causal_lm_num_items, split_hf_causal_lm
+    from graphpipe.models import causal_lm_loss, split_hf_causal_lm
 
     stages = split_hf_causal_lm(build(config("qwen2", tied=True)), world)
     mine = [stages[rank]]
@@ -28,14 +37,7 @@ def _two_calls(rank: int, world: int) -> dict:
     losses = []
     for seed in (1, 2):
         d = batch(seed=seed)
-        losses.append(
-            pipe.step(
-                d["ids"] if pipe.is_input_rank else None,
-                d["labels"] if pipe.is_loss_rank else None,
-                attention_mask=d["mask"],
-                num_items_in_batch=causal_lm_num_items(d["labels"]),
-            ).clone()
-        )
+        losses.append(hf_step(pipe, d).clone())
     grads = stage_grads(mine)
     pipe.close()
     return {"losses": losses, "grads": grads}

@@ -23,13 +23,12 @@ from graphpipe.checkpoint import save_checkpoint  # noqa: E402
 from graphpipe.cli import main  # noqa: E402
 from graphpipe.models import (  # noqa: E402
     causal_lm_loss,
-    causal_lm_num_items,
     export_hf_model,
     split_hf_causal_lm,
     unique_parameters,
 )
 from tests.spawn import run_ranks  # noqa: E402
-from tests.test_hf import batch, config  # noqa: E402
+from tests.test_hf import batch, config, hf_step  # noqa: E402
 from tests.test_hf_families import family_config  # noqa: E402
 
 # Right padding in every micro-batch of 2 rows (so that HF's sdpa gets a mask, as the stages
@@ -56,12 +55,7 @@ def _train_save_forward(rank: int, world: int, root: str, cfg) -> dict:
     for step in range(2):
         opt.zero_grad()
         d = batch(LENGTHS, seed=10 + step)
-        pipe.step(
-            d["ids"] if rank == 0 else None,
-            d["labels"] if rank == 0 else None,
-            attention_mask=d["mask"],
-            num_items_in_batch=causal_lm_num_items(d["labels"]),
-        )
+        hf_step(pipe, d)
         opt.step()
     save_checkpoint(root, 2, mine, opt)
     d = batch(LENGTHS, seed=20)

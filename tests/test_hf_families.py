@@ -24,28 +24,18 @@ import graphpipe  # noqa: E402
 from graphpipe.keymap import unsplit_keys, unsplit_name  # noqa: E402
 from graphpipe.models import (  # noqa: E402
     causal_lm_loss,
-    causal_lm_num_items,
     split_hf_causal_lm,
     unique_parameters,
 )
 from tests.spawn import run_ranks  # noqa: E402
+from tests.test_hf import TINY, hf_step  # noqa: E402
 
-VOCAB, SEQ = 64, 8
+VOCAB, SEQ = TINY["vocab_size"], 8
 # Right padding, unequal valid tokens in each of the 4 micro-batches of 2 rows; at least 5
 # real tokens per row, so that with a window of 4 every padded query still sees a real key
 # (else HF's softmax is NaN for it too).
 LENGTHS = (8, 5, 7, 6, 8, 8, 5, 6)
 STEPS, LR = 3, 0.1
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    pad_token_id=0,
-)
 WINDOWS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
@@ -54,7 +44,7 @@ def family_config(kind: str):
     t = transformers
     if kind == "gemma2":
         return t.Gemma2Config(
-            **COMMON,
+            **TINY,
             head_dim=8,
             sliding_window=4,
             query_pre_attn_scalar=8,
@@ -64,7 +54,7 @@ def family_config(kind: str):
         )
     if kind == "gemma3_text":
         return t.Gemma3TextConfig(
-            **COMMON,
+            **TINY,
             head_dim=8,
             sliding_window=4,
             layer_types=WINDOWS,
@@ -77,12 +67,12 @@ def family_config(kind: str):
             attn_implementation="sdpa",
         )
     if kind == "phi3":
-        return t.Phi3Config(**COMMON, sliding_window=4, attn_implementation="sdpa")
+        return t.Phi3Config(**TINY, sliding_window=4, attn_implementation="sdpa")
     if kind == "olmo2":
-        return t.Olmo2Config(**COMMON, attn_implementation="eager")
+        return t.Olmo2Config(**TINY, attn_implementation="eager")
     if kind == "granite":
         return t.GraniteConfig(
-            **COMMON,
+            **TINY,
             embedding_multiplier=2.0,
             logits_scaling=4.0,
             residual_multiplier=0.5,
@@ -91,7 +81,7 @@ def family_config(kind: str):
         )
     if kind == "qwen3_moe":
         return t.Qwen3MoeConfig(
-            **COMMON,
+            **TINY,
             head_dim=8,
             num_experts=4,
             num_experts_per_tok=2,
@@ -144,14 +134,7 @@ def _train(rank: int, world: int, kind: str, schedule: str = "dualpipev", captur
     for step in range(STEPS):
         opt.zero_grad()
         d = batch(step)
-        losses.append(
-            pipe.step(
-                d["ids"] if pipe.is_input_rank else None,
-                d["labels"] if pipe.is_loss_rank else None,
-                attention_mask=d["mask"],
-                num_items_in_batch=causal_lm_num_items(d["labels"]),
-            ).clone()
-        )
+        losses.append(hf_step(pipe, d).clone())
         opt.step()
     pipe.close()
     weights = {
@@ -162,12 +145,14 @@ def _train(rank: int, world: int, kind: str, schedule: str = "dualpipev", captur
     return {"losses": losses, "weights": weights}
 
 
-def reference(kind: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def reference(
+    kind: str, steps: int = STEPS, lr: float = LR
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """HF's loss of each step on the whole batch, and the weights after the SGD steps."""
     model = build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         d = batch(step)
         out = model(d["ids"], attention_mask=d["mask"], labels=d["labels"])

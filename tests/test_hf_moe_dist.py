@@ -18,7 +18,7 @@ transformers = pytest.importorskip(
 )
 
 from tests.spawn import run_ranks  # noqa: E402
-from tests.test_hf_families import LENGTHS, batch, build  # noqa: E402
+from tests.test_hf_families import LENGTHS, batch, build, reference  # noqa: E402
 
 DP, PP, M, STEPS, LR = 2, 2, 4, 2, 0.1
 
@@ -85,26 +85,12 @@ def _rank(rank: int, world: int, root: str) -> dict:
     return {"losses": losses, "weights": weights, "shards": shards, "sharded": sharded}
 
 
-def _reference() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    model = build("qwen3_moe")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        d = batch(step)
-        out = model(d["ids"], attention_mask=d["mask"], labels=d["labels"])
-        out.loss.backward()
-        losses.append(out.loss.detach())
-        opt.step()
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.distributed
 def test_qwen3_moe_with_expert_parallelism_trains_as_the_unsplit_model(tmp_path: Path) -> None:
     from graphpipe.checkpoint import export_state_dict
 
     results = run_ranks(_rank, DP * PP, str(tmp_path), timeout=300.0)
-    losses, ref = _reference()
+    losses, ref = reference("qwen3_moe", steps=STEPS, lr=LR)
     seen = set()
     for rank, res in enumerate(results):
         assert res["sharded"] == 2, rank  # two MoE layers on each rank's two stages
