@@ -185,30 +185,26 @@ def _in_step(plan_costs: Any, world: int, timelines: list[dict], m: int) -> dict
     """Where the recorded step of one split went, per rank: its actions' time against the
     same actions' costs alone (the plan's per-stage costs; an overlapped pair as F + B),
     and the time it spent outside actions (waiting for a transfer, host work)."""
-    from graphpipe.ir import Action, Op
+    from graphpipe.bench.costs import action_times
 
-    def cost(a: Action) -> float:
-        if a.op is Op.OVERLAP_F_B:
-            return sum(cost(sub) for sub in a.sub or ())
-        return getattr(plan_costs[a.stage], a.op.value)
-
-    out: dict[str, list[float]] = {"step_s": [], "actions_s": [], "alone_s": [], "outside_s": []}
-    for r in range(world):
-        step = actions = alone = 0.0
-        for label, start, end in timelines[r]:
-            if label == "step":
-                step = end - start
-                continue
-            try:
-                a = Action.parse(label)
-            except ValueError:
-                continue
-            actions += end - start
-            alone += cost(a)
-        out["step_s"].append(step)
-        out["actions_s"].append(actions)
-        out["alone_s"].append(alone)
-        out["outside_s"].append(step - actions)
+    records = [
+        {"rank": r, "label": label, "start": start, "end": end}
+        for r, timeline in enumerate(timelines)
+        for label, start, end in timeline
+    ]
+    steps = [0.0] * world
+    for rec in records:
+        if rec["label"] == "step":
+            steps[rec["rank"]] = rec["end"] - rec["start"]
+    actions, alone = action_times(
+        records, world, lambda a: sum(plan_costs[p.stage].of(p) for p in a.parts())
+    )
+    out: dict[str, list[float]] = {
+        "step_s": steps,
+        "actions_s": actions,
+        "alone_s": alone,
+        "outside_s": [st - ac for st, ac in zip(steps, actions, strict=True)],
+    }
     out["actions_over_alone"] = slow = [
         a / b if b else 0.0 for a, b in zip(out["actions_s"], out["alone_s"])
     ]

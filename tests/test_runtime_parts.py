@@ -397,11 +397,11 @@ def _noop():
     pass
 
 
-def test_call_after_call_first_and_append():
+def test_call_after_a_first_hook_and_append():
     a, b = (lambda: None), (lambda: None)
     program = Program([Instr((a,), (), _noop, (1,), "x"), Instr((), (b,), None, (), "")], [])
     first, after0, after1 = (lambda: None), (lambda: None), (lambda: None)
-    program.call_first(first)
+    program.install(StepHooks(first=(first,)))
     program.call_after(0, after0)
     program.call_after(1, after1)  # past the last: a trailing instruction
     assert program.instrs[0] == Instr((first, a), (), _noop, (1,), "x")

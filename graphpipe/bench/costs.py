@@ -15,7 +15,15 @@ from torch import nn
 from .measure import wall_time
 from .workloads import Workload
 
-__all__ = ["in_step_slowdown", "measured_bubble", "p2p_cost", "simulation", "stage_costs"]
+__all__ = [
+    "action_times",
+    "in_step_slowdown",
+    "mean_costs",
+    "measured_bubble",
+    "p2p_cost",
+    "simulation",
+    "stage_costs",
+]
 
 
 class _StageTimer:
@@ -123,8 +131,7 @@ def simulation(
     from graphpipe.schedules import SCHEDULES
     from graphpipe.simulate import Costs, simulate
 
-    stages = 2 * world
-    mean = {k: sum(c[k] for c in per_rank_costs) / stages for k in "FBIW"}
+    mean = mean_costs(per_rank_costs, world)
     schedule, placement = SCHEDULES["dualpipev"](world, w.microbatches)
     variants: dict[str, Costs] = {
         "compute_only": Costs(**mean),
@@ -154,21 +161,34 @@ def simulation(
     return out, picture
 
 
-def measured_bubble(records: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    """Busy time per rank (its actions) over the recorded step's makespan."""
+def action_times(
+    records: list[dict[str, Any]], world: int, cost: Callable[[Any], float] | None = None
+) -> tuple[list[float], list[float]]:
+    """Per rank: the time its compute actions took in a recorded step (the ranges named
+    after an ``Action``: not ``step``, not the waits), and what ``cost(action)`` gives the
+    same actions (zeros without ``cost``)."""
     from graphpipe.ir import Action
 
-    steps = [r for r in records if r["label"] == "step"]
-    makespan = max(r["end"] for r in steps) if steps else 0.0
-    busy = [0.0] * world
+    taken = [0.0] * world
+    predicted = [0.0] * world
     for r in records:
         if r["label"] == "step":
             continue
         try:
-            Action.parse(r["label"])
+            a = Action.parse(r["label"])
         except ValueError:
             continue
-        busy[r["rank"]] += r["end"] - r["start"]
+        taken[r["rank"]] += r["end"] - r["start"]
+        if cost is not None:
+            predicted[r["rank"]] += cost(a)
+    return taken, predicted
+
+
+def measured_bubble(records: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """Busy time per rank (its actions) over the recorded step's makespan."""
+    steps = [r for r in records if r["label"] == "step"]
+    makespan = max(r["end"] for r in steps) if steps else 0.0
+    busy, _ = action_times(records, world)
     per_rank = [1 - b / makespan if makespan > 0 else 0.0 for b in busy]
     return {
         "makespan_s": makespan,
@@ -185,25 +205,13 @@ def in_step_slowdown(
     uses) give the same actions. Above 1: the actions run slower inside the step than
     alone (the other rank's compute and gloo's threads on the same cores, caches); the
     rest of the gap to the simulation is waiting. 0 for a rank with no compute recorded."""
-    from graphpipe.ir import Action, Op
+    from graphpipe.simulate import Costs
 
-    stages = 2 * world
-    mean = {k: sum(c[k] for c in per_rank_costs) / stages for k in "FBIW"}
-
-    def cost(a: Action) -> float:
-        if a.op is Op.OVERLAP_F_B:
-            return sum(cost(s) for s in a.sub or ())
-        return mean.get(a.op.value, 0.0)
-
-    taken = [0.0] * world
-    predicted = [0.0] * world
-    for r in records:
-        if r["label"] == "step":
-            continue
-        try:
-            a = Action.parse(r["label"])
-        except ValueError:
-            continue
-        taken[r["rank"]] += r["end"] - r["start"]
-        predicted[r["rank"]] += cost(a)
+    costs = Costs(**mean_costs(per_rank_costs, world))
+    taken, predicted = action_times(records, world, costs.of)
     return [t / p if p > 0 else 0.0 for t, p in zip(taken, predicted, strict=True)]
+
+
+def mean_costs(per_rank_costs: list[dict[str, float]], world: int) -> dict[str, float]:
+    """The mean F, B, I, W per stage (each rank's figures are its two stages' sums)."""
+    return {k: sum(c[k] for c in per_rank_costs) / (2 * world) for k in "FBIW"}

@@ -148,10 +148,6 @@ class Program:
             self.append()
         self.instrs[k + 1] = _prefixed(self.instrs[k + 1], *fns)
 
-    def call_first(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` at the start of the step, before the first instruction's posts."""
-        self.instrs[0] = _prefixed(self.instrs[0], fn)
-
     def append(
         self,
         waits: tuple[Callable[[], None], ...] = (),
