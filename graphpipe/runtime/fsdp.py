@@ -79,6 +79,15 @@ def param_groups(state: Any) -> list[Any]:
     return [group] if group is not None else []
 
 
+def _root_groups(root: nn.Module) -> list[Any]:
+    """Every parameter group of the FSDP2 states under ``root`` (its own and its inner
+    modules')."""
+    from torch.distributed.fsdp import fully_shard
+
+    states = fully_shard.state(root)._state_ctx.all_states
+    return [group for st in states for group in param_groups(st)]
+
+
 def _reshards_after_forward(module: nn.Module) -> bool:
     """Whether FSDP reshards ``module``'s parameters after forward (its policy)."""
     from torch.distributed.fsdp import fully_shard
@@ -138,14 +147,11 @@ class ShardedStages:
         now, as FSDP's post-backward does with autograd's after every backward. Else a later
         backward's autograd would add its gradient to them in the parameter dtype first:
         one rounding more under bf16 parameters with a float32 ``reduce_dtype``."""
-        from torch.distributed.fsdp import fully_shard
-
         for root in self.roots[li]:
-            for st in fully_shard.state(root)._state_ctx.all_states:
-                for group in param_groups(st):
-                    for p in group.fsdp_params:
-                        p.accumulate_unsharded_grad_if_needed()
-                        p.to_accumulated_grad_if_needed()
+            for group in _root_groups(root):
+                for p in group.fsdp_params:
+                    p.accumulate_unsharded_grad_if_needed()
+                    p.to_accumulated_grad_if_needed()
 
     def infer_hooks(self) -> StepHooks:
         """After a forward-only run: ``reshard``."""
@@ -181,11 +187,9 @@ class ShardedStages:
             m.set_reshard_after_backward(True, recurse=False)
         for root in self.roots[li]:
             root.set_is_last_backward(True)
-            state = fully_shard.state(root)
-            for st in state._state_ctx.all_states:
-                for group in param_groups(st):
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            for group in _root_groups(root):
+                group.post_backward()
+            fully_shard.state(root)._root_post_backward_final_callback()
 
     def reshard(self) -> None:
         """The end of an inference call: free the unsharded parameters."""
