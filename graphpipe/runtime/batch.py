@@ -46,7 +46,6 @@ __all__ = [
     "BatchAgreement",
     "BatchSignature",
     "KwSig",
-    "Signature",
     "describe_keywords",
     "keywords_signature",
 ]
@@ -106,9 +105,6 @@ class BatchSignature(NamedTuple):
             f"the batch holds {[n for n, _, _ in new]}, but the step was captured with "
             f"{[n for n, _, _ in old]}; pass recapture=True to capture a graph per signature"
         )
-
-
-Signature = BatchSignature  # the name the parts use
 
 
 def _tensors_of(words: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -237,7 +233,7 @@ class BatchAgreement:
         accepts: Callable[[tuple[str, ...]], int] | None = None,
         sync: bool = True,
         check_labels: Callable[[Any, tuple[str, ...]], None] | None = None,
-    ) -> tuple[Signature, torch.dtype]:
+    ) -> tuple[BatchSignature, torch.dtype]:
         """The agreed signature and loss dtype of call number ``call`` (``step`` when
         ``train``, else ``forward``); raises on every rank if a rank rejects the batch, the
         ranks are not in the same call, their keyword tensors differ, or a keyword tensor is

@@ -30,7 +30,7 @@ from graphpipe.nvtx import Ranges
 from graphpipe.validate import resolve_schedule
 
 from .accumulation import GradSync
-from .batch import BatchAgreement, Signature
+from .batch import BatchAgreement, BatchSignature
 from .capture import CaptureDriver, StaticPlan
 from .checks import (
     CAPTURE_MODES,
@@ -464,7 +464,7 @@ class Pipeline:
 
     def _agree(
         self, inputs: Any, labels: Any, kwargs: dict[str, Any], train: bool
-    ) -> tuple[Signature, Any]:
+    ) -> tuple[BatchSignature, Any]:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
         faults = self._faults
         faults.begin("step" if train else "forward")

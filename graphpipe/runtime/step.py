@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batch import Signature
+from .batch import BatchSignature
 from .context import RankContext
 from .program import Program
 from .structured import PerMicrobatch
@@ -67,15 +67,15 @@ class StepLoop:
         self.loss, self.faults, self.ranges = loss, faults, ranges
         self.nccl = nccl
         self.optimizer = optimizer
-        self.signature: Signature | None = None  # of the training program's last step
-        self.infer_signature: Signature | None = None
+        self.signature: BatchSignature | None = None  # of the training program's last step
+        self.infer_signature: BatchSignature | None = None
         self.infer_metas: dict = {}  # the inference program's channel metadata
 
     def forget(self) -> None:
         """After a failed call: the next step of either program is a handshake step."""
         self.signature = self.infer_signature = None
 
-    def set_signature(self, sig: Signature | None) -> None:
+    def set_signature(self, sig: BatchSignature | None) -> None:
         """The training program last ran with ``sig`` (a captured plan's, made active)."""
         self.signature = sig
 
@@ -93,7 +93,7 @@ class StepLoop:
 
     def batch(
         self,
-        sig: Signature,
+        sig: BatchSignature,
         inputs: Any,
         labels: Any,
         kwargs: Mapping[str, Any],
@@ -133,7 +133,7 @@ class StepLoop:
     def train(
         self,
         program: Program,
-        sig: Signature,
+        sig: BatchSignature,
         inputs: Any,
         labels: Any,
         kwargs: Mapping[str, Any],
@@ -163,7 +163,7 @@ class StepLoop:
 
     # --------------------------------------------------------------- inference
     def infer(
-        self, program: Program, sig: Signature, inputs: Any, kwargs: Mapping[str, Any]
+        self, program: Program, sig: BatchSignature, inputs: Any, kwargs: Mapping[str, Any]
     ) -> Any:
         """A forward-only run; the concatenated outputs on the loss rank, else None."""
         handshake = sig != self.infer_signature

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from graphpipe.meta import StepRecord, TensorMeta
 
-from ..batch import Signature
+from ..batch import BatchSignature
 from ..comm import SendTransfer
 from ..context import RankContext
 from ..program import Program
@@ -124,7 +124,7 @@ class CaptureDriver:
         self.ctx, self.loop, self.program = ctx, loop, program
         self.runner, self.engine, self.loss = runner, engine, loss
         self.mode, self.recapture = mode, recapture
-        self.captures: dict[Signature, Capture] = {}
+        self.captures: dict[BatchSignature, Capture] = {}
         self.active: Capture | None = None
         self.graphs = ctx.device.type == "cuda"  # on CPU the static step is the replay
         self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
@@ -132,7 +132,7 @@ class CaptureDriver:
 
     # ------------------------------------------------------------ the step
     def step(
-        self, sig: Signature, inputs: Any, labels: Any, kwargs: Mapping[str, Any]
+        self, sig: BatchSignature, inputs: Any, labels: Any, kwargs: Mapping[str, Any]
     ) -> torch.Tensor:
         ctx = self.ctx
         cap = self.captures.get(sig)
@@ -172,7 +172,7 @@ class CaptureDriver:
         return self.loss.out
 
     def _warmup(
-        self, sig: Signature, inputs: Any, labels: Any, kwargs: Mapping[str, Any]
+        self, sig: BatchSignature, inputs: Any, labels: Any, kwargs: Mapping[str, Any]
     ) -> torch.Tensor:
         """An eager step on fresh buffers that records the metadata of what it touches; on
         CUDA on the capture stream (torch's whole-network capture recipe)."""
@@ -199,7 +199,7 @@ class CaptureDriver:
     # ---------------------------------------------------------------- plan
     def _make(
         self,
-        sig: Signature,
+        sig: BatchSignature,
         record: StepRecord,
         inputs: Any,
         labels: Any,
