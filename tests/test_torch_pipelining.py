@@ -270,3 +270,77 @@ def test_one_process_dualpipev_trains_like_the_modules_alone() -> None:
 def test_a_named_schedule_class_refuses_another_schedule(cls: str, schedule: str) -> None:
     with pytest.raises(TypeError, match=f"^{cls} runs {schedule}; use PipelineSchedule"):
         getattr(gp_pp, cls)([], 4, schedule="1f1b")
+
+
+# ------------------------------------------------- pipeline x FSDP2 data parallelism (4 ranks)
+def _run_sharded(rank: int, world: int, impl: str) -> dict:
+    """pp 2 x dp 2: DualPipeV's four stages, each sharded by FSDP2 over its dp pair with a
+    gradient divide factor of 1.0 (the replicas' gradients summed, torchtitan's recipe; the
+    loss divides by the global batch itself); each replica trains on its own batch for two
+    steps. graphpipe's refusals of the compositions it cannot honour are checked first."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    ids = [pp, 3 - pp]
+    modules = build(4)
+    mine = [modules[i] for i in ids]
+    dp_group = mesh.get_group("dp")
+    if impl == "graphpipe":
+        # Refused: a stage with parameters outside FSDP2, then FSDP2's default mean.
+        loose = [pipelining.PipelineStage(copy.deepcopy(m), i, 4, torch.device("cpu"),
+                                          group=mesh.get_group("pp"))
+                 for m, i in zip(mine, ids, strict=True)]  # fmt: skip
+        with pytest.raises(ValueError, match=r"stage \d has \['fc.weight'.*outside it"):
+            gp_pp.ScheduleDualPipeV(loose, 4, mse, dp_group=dp_group)
+        for s in loose:
+            fully_shard(s.submod, mesh=mesh["dp"])
+        with pytest.raises(ValueError, match="gradient divide factor None"):
+            gp_pp.ScheduleDualPipeV(loose, 4, mse, dp_group=dp_group)
+    for m in mine:
+        fully_shard(m, mesh=mesh["dp"])
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    stages = [
+        pipelining.PipelineStage(m, i, 4, torch.device("cpu"), group=mesh.get_group("pp"))
+        for m, i in zip(mine, ids, strict=True)
+    ]
+    extra = {"dp_group": dp_group} if impl == "graphpipe" else {}
+    cls = (pipelining if impl == "torch" else gp_pp).ScheduleDualPipeV
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, target, reduction="sum") / (2 * ROWS * DIM)
+
+    sched = cls(stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False, **extra)
+    out: dict = {"losses": [], "grads": []}
+    for step in range(2):
+        x, y, _ = batch(10 * step + dp)
+        for m in mine:
+            m.zero_grad()
+        losses: list = []
+        sched.step(
+            *((x,) if pp == 0 else ()),
+            target=y if pp == 0 else None,
+            losses=losses if pp == 0 else None,
+            return_outputs=False,
+        )
+        out["losses"].append([float(v.detach()) for v in losses])
+        out["grads"].append([p.grad.to_local().clone() for m in mine for p in m.parameters()])
+    if impl == "graphpipe":
+        sched.close()
+    return out
+
+
+def test_dualpipev_over_fsdp2_sharded_replicas_equals_torchs() -> None:
+    """With every parameter sharded by FSDP2 and a divide factor of 1.0, a dp_group of two
+    ranks gives the losses and the sharded gradients torch's ScheduleDualPipeV gives."""
+    want = run_ranks(_run_sharded, 4, "torch", timeout=300)
+    got = run_ranks(_run_sharded, 4, "graphpipe", timeout=300)
+    assert [len(w["losses"][0]) for w in want] == [4, 4, 0, 0]
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(w["losses"]),
+                                   rtol=RTOL, atol=ATOL)  # fmt: skip
+        for gw, gg in zip(w["grads"], g["grads"], strict=True):
+            for a, b in zip(gg, gw, strict=True):
+                torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)

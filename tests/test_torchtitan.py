@@ -255,3 +255,31 @@ def test_pipelining_fn_runs_torchs_order_of_other_schedules() -> None:
         assert sorted(got[r]["grads"][0]) == sorted(want[r]["grads"][0])
         for name, w in want[r]["grads"][0].items():
             _grad_close(name, got[r]["grads"][0][name], w)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "backend", "match"),
+    [
+        ({"tp": 2}, "partial_dtensor", r"also has \{'tp': 2\}"),
+        ({"cp": 2, "ep": 4}, "spmd_types", r"also has \{'cp': 2, 'ep': 4\}"),
+        ({"dp_shard": 2}, "spmd_types", r"dp_shard=2\) needs .*partial_dtensor, got 'spmd_types'"),
+        ({"dp_replicate": 2}, "full_dtensor", r"dp_replicate=2, .*got 'full_dtensor'"),
+    ],
+)
+def test_pipelining_fn_refuses_what_it_does_not_run_naming_it(
+    degrees: dict, backend: str, match: str
+) -> None:
+    from types import SimpleNamespace
+
+    from graphpipe.integrations.torchtitan import pipelining_fn
+
+    dims = SimpleNamespace(
+        **{"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1, **degrees}
+    )
+    parallelism = SimpleNamespace(spmd_backend=backend, pipeline_parallel_schedule="DualPipeV")
+    with pytest.raises(ValueError, match=match):
+        pipelining_fn(
+            torch.nn.Linear(2, 2), parallel_dims=dims, training=None, parallelism=parallelism,
+            compile_config=None, ac_config=None, dump_folder="", device=torch.device("cpu"),
+            model_config=None, parallelize_fn=lambda m, **kw: m, loss_fn=None,
+        )  # fmt: skip

@@ -40,7 +40,9 @@ What is refused, naming it (``ValueError``): chunk specs other than dim 0
 graphpipe's ``receives=`` instead), stage indices that are not the placement of the schedule,
 ``return_outputs=True`` with ``capture`` (a replayed step runs no Python to collect them),
 ``capture_optimizer`` or ``clip_grad_norm`` with ``scale_grads=True`` (both run inside the
-step, before the division).
+step, before the division), and a ``dp_group`` of more than one rank unless every parameter
+is sharded by FSDP2 with ``set_gradient_divide_factor(1.0)`` (the replicas' gradients are
+then summed, by FSDP2, as torch's schedule does on those modules).
 
 graphpipe's own options (``capture``, ``receives``, ``timeout``, ``defer_weight_grads``,
 ``use_nvtx``, ...) are keyword arguments of the constructor, passed to ``Pipeline``.
@@ -238,15 +240,8 @@ class PipelineSchedule:
                 "gradients by n_microbatches after it: pass scale_grads=False with a loss_fn "
                 f"that divides by n_microbatches itself, or drop {inside[0]}"
             )
-        dp_group = options.get("dp_group")
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            raise ValueError(
-                f"{name}: a dp_group of {dist.get_world_size(dp_group)} ranks would sum the "
-                "replicas' gradients (the schedule sums micro-batches, loss_reduction='sum'), "
-                "where torch's data parallelism averages them; only a dp_group of one rank "
-                "(FSDP2 stages that are not sharded) is accepted"
-            )
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        _check_replicas(name, options.get("dp_group"), stages)
         if not stages:
             raise ValueError(f"{name} needs this rank's PipelineStage objects, got none")
         for s in stages:
@@ -490,6 +485,46 @@ class PipelineSchedule:
     def close(self) -> None:
         """``Pipeline.close``: destroy captured graphs before the process group."""
         self.pipe.close()
+
+
+def _check_replicas(name: str, dp_group: Any, stages: Sequence[Any]) -> None:
+    """A ``dp_group`` of more than one rank: every parameter of the stages must be sharded by
+    FSDP2 with a gradient divide factor of 1.0 (``set_gradient_divide_factor(1.0)``, the loss
+    already divided by the global token count, as torchtitan does). The pipeline sums the
+    micro-batches (``loss_reduction="sum"``) and FSDP2 then sums the replicas: the gradient
+    torch's schedule gives on the same modules. Anything else is refused: parameters torch's
+    schedule leaves unsynchronised would be averaged by graphpipe's data parallelism, and
+    FSDP2's default mean over the replicas would become a sum."""
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return
+    from graphpipe.runtime.fsdp import fsdp_modules, param_groups
+
+    size = dist.get_world_size(dp_group)
+    for s in stages:
+        mods = fsdp_modules(s.submod)
+        managed = {id(p) for m in mods for p in m.parameters()}
+        loose = [n for n, p in s.submod.named_parameters() if id(p) not in managed]
+        if loose:
+            raise ValueError(
+                f"{name}: a dp_group of {size} ranks needs every parameter sharded by FSDP2 "
+                f"(fully_shard), but stage {s.stage_index} has {loose[:3]} outside it: torch's "
+                "schedule would leave their gradients per replica, graphpipe would average "
+                "them; shard the stage, or pass a dp_group of one rank"
+            )
+        from torch.distributed.fsdp import fully_shard
+
+        for m in mods:
+            for group in param_groups(fully_shard.state(m)):
+                factor = getattr(group, "gradient_divide_factor", None)
+                if factor != 1.0:
+                    raise ValueError(
+                        f"{name}: a dp_group of {size} ranks sums the replicas' gradients "
+                        f"(loss_reduction='sum'), but the FSDP2 module {type(m).__name__} of "
+                        f"stage {s.stage_index} has gradient divide factor {factor!r} (None: "
+                        "FSDP2's mean over the replicas): call set_gradient_divide_factor(1.0) "
+                        "on it and divide the loss by the global number of tokens (as "
+                        "torchtitan does), or pass a dp_group of one rank"
+                    )
 
 
 class _OneSchedule(PipelineSchedule):

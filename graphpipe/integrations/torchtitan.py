@@ -27,9 +27,13 @@ The schedule (``parallelism.pipeline_parallel_schedule``): ``DualPipeV``, ``ZBVZ
 ``1F1B`` and ``GPipe`` run graphpipe's own generators; any other multi-stage schedule
 (``Interleaved1F1B``, ``InterleavedZeroBubble``, a CSV in
 ``pipeline_parallel_schedule_csv``) runs the compute order torch's class generated, read from
-its ``pipeline_order``. Refused with a ``ValueError`` naming them: data, tensor, context and
-expert parallelism together with pipeline parallelism (graphpipe composes with them through
-``Pipeline(dp_group=, ...)``, not yet wired here), and ``backward_requires_autograd=False``.
+its ``pipeline_order``. Data parallelism (``dp_shard``, ``dp_replicate``: FSDP2 / HSDP applied
+by the spec's ``parallelize_fn``) runs with ``--parallelism.spmd_backend partial_dtensor``:
+graphpipe's pipeline takes the ``batch`` mesh as its ``dp_group`` and FSDP2 reduces each
+stage's gradients once per step. Refused with a ``ValueError`` naming them: tensor, context
+and expert parallelism together with pipeline parallelism (graphpipe composes with them
+through ``Pipeline(...)``, not yet wired here), data parallelism under another SPMD backend,
+and ``backward_requires_autograd=False``.
 
 torchtitan is an optional dependency: ``pip install 'graphpipe[torchtitan]'``; this module
 imports it when ``pipelining_fn`` is called.
@@ -71,15 +75,44 @@ def _torch_order(torch_schedule: Any) -> dict[int, list[Action]]:
     }
 
 
-def _fsdp_group(parallel_dims: Any) -> Any:
-    """The process group of the mesh dimension FSDP shards over (its name varies with
-    torchtitan's SPMD backend)."""
-    for name in ("fsdp", "dp_shard", "dp"):
+def _dp_group(parallel_dims: Any) -> Any:
+    """The process group of the data-parallel replicas of this rank's stages: torchtitan's
+    ``batch`` mesh (``dp_replicate x dp_shard``) when it has more than one rank, else the
+    (one-rank) mesh dimension FSDP shards over (its name varies with the SPMD backend)."""
+    names = ("batch",) if parallel_dims.dp_replicate * parallel_dims.dp_shard > 1 else ()
+    for name in (*names, "fsdp", "dp_shard", "dp"):
         try:
             return parallel_dims.get_mesh(name).get_group()
         except (ValueError, KeyError, RuntimeError):
             continue
-    raise ValueError("graphpipe found no fsdp / dp_shard / dp mesh dimension in parallel_dims")
+    raise ValueError("graphpipe found no batch / fsdp / dp_shard / dp mesh in parallel_dims")
+
+
+def _refuse_unsupported(parallel_dims: Any, parallelism: Any) -> None:
+    """What this integration does not run exactly (or has not been shown to), by name."""
+    others = {
+        name: getattr(parallel_dims, name, 1)
+        for name in ("cp", "tp", "ep")
+        if getattr(parallel_dims, name, 1) not in (1, -1)
+    }
+    if others:
+        raise ValueError(
+            f"graphpipe's torchtitan pipelining_fn runs pipeline parallelism with data "
+            f"parallelism (dp_shard, dp_replicate) only; this job also has {others}: "
+            "graphpipe composes with tensor / expert parallelism through Pipeline(...) "
+            "itself, which this integration does not wire yet"
+        )
+    dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
+    if dp > 1 and backend != "partial_dtensor":
+        raise ValueError(
+            f"graphpipe's torchtitan pipelining_fn with data parallelism (dp_replicate="
+            f"{parallel_dims.dp_replicate}, dp_shard={parallel_dims.dp_shard}) needs "
+            f"--parallelism.spmd_backend partial_dtensor, got {backend!r}: FSDP2 then shards "
+            "each stage over the data-parallel mesh alone, the composition graphpipe's tests "
+            f"compare with torch's schedule ({backend!r} shards on the full SPMD mesh, where "
+            "torchtitan 0.3.0's own pipeline run fails on CPU)"
+        )
 
 
 def pipelining_fn(
@@ -112,18 +145,7 @@ def pipelining_fn(
     """
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
-    others = {
-        name: getattr(parallel_dims, name, 1)
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep")
-        if getattr(parallel_dims, name, 1) not in (1, -1)
-    }
-    if others:
-        raise ValueError(
-            f"graphpipe's torchtitan pipelining_fn runs pipeline parallelism alone; this job "
-            f"also has {others}: graphpipe composes with data / tensor / expert parallelism "
-            "through Pipeline(dp_group=..., expert_groups=...), which this integration does "
-            "not wire yet"
-        )
+    _refuse_unsupported(parallel_dims, parallelism)
 
     defer = options.get("defer_weight_grads", True)
 
@@ -161,11 +183,12 @@ def pipelining_fn(
         return loss
 
     # torchtitan's parallelize_fn applies FSDP2 to every part, also unsharded (for its mixed
-    # precision policy): graphpipe takes the group it is sharded over (one rank here).
+    # precision policy), with a gradient divide factor of 1.0 (its loss is divided by the
+    # global token count): graphpipe takes the replicas' group, FSDP2 sums over it.
     if getattr(parallel_dims, "fsdp_enabled", False) or any(
         type(m).__name__.startswith("FSDP") for m in model_parts
     ):
-        options.setdefault("dp_group", _fsdp_group(parallel_dims))
+        options.setdefault("dp_group", _dp_group(parallel_dims))
     ours = PipelineSchedule(
         stages,
         torch_schedule._n_microbatches,

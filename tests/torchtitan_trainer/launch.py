@@ -77,6 +77,23 @@ if not hasattr(dist, "set_timeout"):
 
     dist.set_timeout = _set_pg_timeout
 
+# torchtitan sets FSDP2's gradient divide factor to 1.0 (it divides the loss by the global
+# token count itself), which FSDP2 reduces with ReduceOp.PREMUL_SUM, an NCCL-only op; gloo
+# sums, and a post-division by 1.0 is exact.
+from torchtitan.distributed import fsdp as _titan_fsdp  # noqa: E402
+
+_disable_division = _titan_fsdp.disable_fsdp_gradient_division
+
+
+def _sum_reductions(model):
+    _disable_division(model)
+    for module in model.modules():
+        if isinstance(module, torch.distributed.fsdp.FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+_titan_fsdp.disable_fsdp_gradient_division = _sum_reductions
+
 _torch_step = schedules.PipelineScheduleMulti.step
 
 
