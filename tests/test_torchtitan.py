@@ -260,10 +260,18 @@ def test_pipelining_fn_runs_torchs_order_of_other_schedules() -> None:
 @pytest.mark.parametrize(
     ("degrees", "backend", "match"),
     [
-        ({"tp": 2}, "partial_dtensor", r"also has \{'tp': 2\}"),
+        ({"cp": 2}, "partial_dtensor", r"also has \{'cp': 2\}.*not with context"),
         ({"cp": 2, "ep": 4}, "spmd_types", r"also has \{'cp': 2, 'ep': 4\}"),
-        ({"dp_shard": 2}, "spmd_types", r"dp_shard=2\) needs .*partial_dtensor, got 'spmd_types'"),
-        ({"dp_replicate": 2}, "full_dtensor", r"dp_replicate=2, .*got 'full_dtensor'"),
+        (
+            {"dp_shard": 2},
+            "spmd_types",
+            r"\{'dp_shard': 2\} needs .*got 'spmd_types'",
+        ),
+        (
+            {"dp_replicate": 2, "tp": 2},
+            "full_dtensor",
+            r"'dp_replicate': 2, 'tp': 2\}.*got 'full_dtensor'",
+        ),
     ],
 )
 def test_pipelining_fn_refuses_what_it_does_not_run_naming_it(
@@ -283,3 +291,57 @@ def test_pipelining_fn_refuses_what_it_does_not_run_naming_it(
             compile_config=None, ac_config=None, dump_folder="", device=torch.device("cpu"),
             model_config=None, parallelize_fn=lambda m, **kw: m, loss_fn=None,
         )  # fmt: skip
+
+
+def _edges_job(rank: int, world: int) -> None:
+    """Two stages split at a DTensor edge on a tp mesh of 2 ranks: the shards sent and
+    rebuilt give the losses and gradients of the unsplit computation; each layout the
+    edges cannot carry is refused, naming the stage."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from graphpipe.integrations.torchtitan import _TensorParallelEdges
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for sequence_parallel in (True, False):
+        edges = _TensorParallelEdges(mesh, sequence_parallel=sequence_parallel)
+        layout = [Shard(1)] if sequence_parallel else [Replicate()]
+
+        def first(x: torch.Tensor, layout: list = layout) -> DTensor:
+            h = distribute_tensor(x, mesh, [Shard(1)]) @ distribute_tensor(w, mesh, [Replicate()])
+            return h.redistribute(mesh, layout)
+
+        def second(h: DTensor) -> torch.Tensor:
+            return (h.redistribute(mesh, [Replicate()]).to_local() ** 2).sum()
+
+        xa = x.clone().requires_grad_()
+        want = second(first(xa))
+        want.backward()
+        # The split: the send hook's shard crosses as a leaf; the receive hook rebuilds it.
+        xb = x.clone().requires_grad_()
+        shard = edges.send(0, None, (xb,), first(xb))
+        width = 6 // world if sequence_parallel else 6
+        assert type(shard) is torch.Tensor and list(shard.shape) == [2, width, 4]
+        leaf = shard.detach().requires_grad_()
+        (h,), _ = edges.receive(1, None, (leaf,), {})
+        got = second(h)
+        got.backward()
+        shard.backward(leaf.grad)  # the gradient sent back
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-15, atol=1e-15)
+
+    edges = _TensorParallelEdges(mesh, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"stage 2's output has placements \(Replicate\(\),\)"):
+        edges.send(2, None, (), distribute_tensor(x, mesh, [Replicate()]))
+    with pytest.raises(ValueError, match=r"stage 2's output \[2, 5, 4\] is sharded unevenly"):
+        edges.send(2, None, (), distribute_tensor(x[:, :5], mesh, [Shard(1)]))
+    with pytest.raises(TypeError, match="stage 2's output is a Tensor, not the DTensor"):
+        edges.send(2, None, (), x)
+    with pytest.raises(TypeError, match=r"stage 3 under tensor .* got a torch.int64 tensor"):
+        edges.receive(3, None, (torch.zeros(2, 3, dtype=torch.long),), {})
+
+
+def test_tensor_parallel_edges_carry_dtensor_hidden_states_exactly() -> None:
+    run_ranks(_edges_job, 2)

@@ -1,14 +1,15 @@
-"""torchtitan's unmodified Trainer trains llama3's debugmodel with DualPipeV for 5 steps, with
-graphpipe's pipelining_fn set by a config module, eager and with capture="step": on 2 CPU gloo
-processes (torchrun) against torch's stock Interleaved1F1B on the same four stages (the
-exactness reference) and torch's stock DualPipeV; and on 4 (pipeline 2 x FSDP2 or HSDP 2)
-against torch's Interleaved1F1B with FSDP2. Every run starts from one seed checkpoint; each
-step's loss and gradient norm are compared. The CPU shims live in
-tests/torchtitan_trainer/launch.py, each with a comment; the tokenizer and the dataset are
-written here. Skipped where torchtitan is not installed."""
+"""torchtitan's unmodified Trainer trains llama3's debugmodel with DualPipeV, with graphpipe's
+pipelining_fn set by a config module, eager and with capture="step": on 2 CPU gloo processes
+(torchrun, 5 steps) against torch's stock Interleaved1F1B on the same four stages (the
+exactness reference) and torch's stock DualPipeV; and on 4 (3 steps; pipeline 2 x FSDP2 or
+HSDP 2, or pipeline 2 x tensor 2) against torch's Interleaved1F1B with the same parallelism.
+Every run starts from one seed checkpoint; each step's loss and gradient norm are compared.
+The CPU shims live in tests/torchtitan_trainer/launch.py, each with a comment; the tokenizer
+and the dataset are written here. Skipped where torchtitan is not installed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -30,6 +31,7 @@ HERE = Path(__file__).resolve().parent / "torchtitan_trainer"
 ROOT = HERE.parent.parent
 STEPS = 5
 _STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+(-?[\d.]+)\s+grad_norm:\s+([\d.]+)")
+_BACKEND = ("--parallelism.spmd_backend", "partial_dtensor")  # data / tensor parallelism
 _BUILDS = re.compile(r"PP rank (\d+) is building stage_idx (\d+) with modules (\[.*?\])")
 
 
@@ -92,6 +94,7 @@ def _train(
     *args: str,
     nproc: int = 2,
     pp: int = 2,
+    steps: int = STEPS,
 ) -> tuple[list[tuple[float, float]], str]:
     """The Trainer with ``config``, ``schedule`` and ``args`` on ``nproc`` processes (``pp``
     pipeline ranks of 2 stages each), from the seed checkpoint ``seed``: the loss and the
@@ -101,14 +104,14 @@ def _train(
         tmp, nproc, config, "--parallelism.pipeline_parallel_degree", str(pp),
         "--parallelism.pipeline_parallel_schedule", schedule,
         "--parallelism.pipeline_parallel_microbatch_size", "1",
-        "--training.steps", str(STEPS), "--validator.freq", "100",
+        "--training.steps", str(steps), "--validator.freq", "100",
         "--checkpoint.enable", "--checkpoint.load_only",
         "--checkpoint.initial_load_path", str(seed),
         "--dump_folder", str(tmp / f"out-{config}-{schedule}-{nproc}-{'-'.join(args)}"), *args,
     )  # fmt: skip
     logged = {int(s): (float(v), float(n)) for s, v, n in _STEP.findall(log) if float(v) >= 0}
-    assert sorted(logged) == list(range(1, STEPS + 1)), log[-4000:]
-    return [logged[s] for s in range(1, STEPS + 1)], log
+    assert sorted(logged) == list(range(1, steps + 1)), log[-4000:]
+    return [logged[s] for s in range(1, steps + 1)], log
 
 
 def _split(log: str) -> dict[int, tuple[int, str]]:
@@ -170,17 +173,33 @@ def test_torchtitans_trainer_with_data_parallelism_trains_with_graphpipe(
     stage over its dp pair, graphpipe's dp_group is the batch mesh), against torch's stock
     Interleaved1F1B with FSDP2 on the same four stages and micro-batches."""
     tmp, seed = titan
-    backend = ("--parallelism.spmd_backend", "partial_dtensor")
-    shard = ("--parallelism.data_parallel_shard_degree", "2", *backend)
-    replicate = ("--parallelism.data_parallel_replicate_degree", "2", *backend)
-    reference, _ = _train(tmp, seed, "stock_debugmodel", "Interleaved1F1B", *shard, nproc=4)
-    eager, log = _train(tmp, seed, "graphpipe_debugmodel", "DualPipeV", *shard, nproc=4)
+    shard = ("--parallelism.data_parallel_shard_degree", "2", *_BACKEND)
+    replicate = ("--parallelism.data_parallel_replicate_degree", "2", *_BACKEND)
+    run = functools.partial(_train, tmp, seed, nproc=4, steps=3)
+    reference, _ = run("stock_debugmodel", "Interleaved1F1B", *shard)
+    eager, log = run("graphpipe_debugmodel", "DualPipeV", *shard)
     assert "Applied FSDP to the model" in log, log[-4000:]
-    captured, _ = _train(tmp, seed, "graphpipe_debugmodel_captured", "DualPipeV", *shard, nproc=4)
-    hsdp, log = _train(tmp, seed, "graphpipe_debugmodel", "DualPipeV", *replicate, nproc=4)
+    captured, _ = run("graphpipe_debugmodel_captured", "DualPipeV", *shard)
+    hsdp, log = run("graphpipe_debugmodel", "DualPipeV", *replicate)
     assert "Applied HSDP to the model" in log, log[-4000:]
     # (torchtitan without a pipeline, FSDP2 on 2 processes, differs from all of these by up
     # to 1.5e-5: one bf16 forward of 4 sequences rounds otherwise than 4 of one sequence.)
     assert _close(eager, reference, 1e-5), (reference, eager)
     assert _close(captured, reference, 1e-5), (reference, captured)
     assert _close(hsdp, reference, 1e-5), (reference, hsdp)
+
+
+@pytest.mark.distributed
+def test_torchtitans_trainer_with_tensor_parallelism_trains_with_graphpipe(
+    titan: tuple[Path, Path],
+) -> None:
+    """pp 2 x tp 2 on 4 processes, sequence parallel (the hidden states cross the pipeline's
+    edges as DTensor shards), against torch's stock Interleaved1F1B on the same stages."""
+    tmp, seed = titan
+    tp = ("--parallelism.tensor_parallel_degree", "2", *_BACKEND)
+    run = functools.partial(_train, tmp, seed, nproc=4, steps=3)
+    reference, _ = run("stock_debugmodel", "Interleaved1F1B", *tp)
+    eager, _ = run("graphpipe_debugmodel", "DualPipeV", *tp)
+    captured, _ = run("graphpipe_debugmodel_captured", "DualPipeV", *tp)
+    assert _close(eager, reference, 1e-5), (reference, eager)
+    assert _close(captured, reference, 1e-5), (reference, captured)

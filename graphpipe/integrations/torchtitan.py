@@ -28,21 +28,23 @@ The schedule (``parallelism.pipeline_parallel_schedule``): ``DualPipeV``, ``ZBVZ
 (``Interleaved1F1B``, ``InterleavedZeroBubble``, a CSV in
 ``pipeline_parallel_schedule_csv``) runs the compute order torch's class generated, read from
 its ``pipeline_order``. Data parallelism (``dp_shard``, ``dp_replicate``: FSDP2 / HSDP applied
-by the spec's ``parallelize_fn``) runs with ``--parallelism.spmd_backend partial_dtensor``:
-graphpipe's pipeline takes the ``batch`` mesh as its ``dp_group`` and FSDP2 reduces each
-stage's gradients once per step. Refused with a ``ValueError`` naming them: tensor, context
-and expert parallelism together with pipeline parallelism (graphpipe composes with them
-through ``Pipeline(...)``, not yet wired here), data parallelism under another SPMD backend,
-and ``backward_requires_autograd=False``.
+by the spec's ``parallelize_fn``) and tensor parallelism run with ``--parallelism.spmd_backend
+partial_dtensor``: graphpipe's pipeline takes the ``batch`` mesh as its ``dp_group`` and FSDP2
+reduces each stage's gradients once per step; the DTensor hidden states of tensor parallelism
+cross the pipeline's edges as their local shards (``_TensorParallelEdges``). Refused with a
+``ValueError`` naming them: context and expert parallelism together with pipeline parallelism,
+data or tensor parallelism under another SPMD backend, and ``backward_requires_autograd=False``.
 
 torchtitan is an optional dependency: ``pip install 'graphpipe[torchtitan]'``; this module
 imports it when ``pipelining_fn`` is called.
 
-Owns: nothing. May touch: what torchtitan's ``pipeline_llm`` touches (the model it splits).
+Owns: nothing. May touch: what torchtitan's ``pipeline_llm`` touches (the model it splits),
+and hooks on its parts' modules (``_TensorParallelEdges``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +52,7 @@ import torch
 from torch import nn
 
 from graphpipe.ir import Action
+from graphpipe.meta import is_dtensor
 from graphpipe.weightgrad import switch_linears
 
 from .torch_pipelining import PipelineSchedule
@@ -92,27 +95,103 @@ def _refuse_unsupported(parallel_dims: Any, parallelism: Any) -> None:
     """What this integration does not run exactly (or has not been shown to), by name."""
     others = {
         name: getattr(parallel_dims, name, 1)
-        for name in ("cp", "tp", "ep")
+        for name in ("cp", "ep")
         if getattr(parallel_dims, name, 1) not in (1, -1)
     }
     if others:
         raise ValueError(
             f"graphpipe's torchtitan pipelining_fn runs pipeline parallelism with data "
-            f"parallelism (dp_shard, dp_replicate) only; this job also has {others}: "
-            "graphpipe composes with tensor / expert parallelism through Pipeline(...) "
-            "itself, which this integration does not wire yet"
+            f"(dp_shard, dp_replicate) and tensor parallelism only; this job also has "
+            f"{others}: graphpipe composes with expert parallelism through Pipeline("
+            "expert_groups=...) itself, which this integration does not wire yet, and not "
+            "with context parallelism"
         )
-    dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    degrees = {
+        name: getattr(parallel_dims, name, 1)
+        for name in ("dp_replicate", "dp_shard", "tp")
+        if getattr(parallel_dims, name, 1) not in (1, -1)
+    }
     backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
-    if dp > 1 and backend != "partial_dtensor":
+    if degrees and backend != "partial_dtensor":
         raise ValueError(
-            f"graphpipe's torchtitan pipelining_fn with data parallelism (dp_replicate="
-            f"{parallel_dims.dp_replicate}, dp_shard={parallel_dims.dp_shard}) needs "
-            f"--parallelism.spmd_backend partial_dtensor, got {backend!r}: FSDP2 then shards "
-            "each stage over the data-parallel mesh alone, the composition graphpipe's tests "
-            f"compare with torch's schedule ({backend!r} shards on the full SPMD mesh, where "
-            "torchtitan 0.3.0's own pipeline run fails on CPU)"
+            f"graphpipe's torchtitan pipelining_fn with {degrees} needs "
+            f"--parallelism.spmd_backend partial_dtensor, got {backend!r}: the stages are "
+            "then sharded over the data-parallel and tensor-parallel meshes with DTensor, "
+            f"the composition graphpipe's tests compare with torch's schedule ({backend!r} "
+            "shards on the full SPMD mesh, where torchtitan 0.3.0's own pipeline run fails "
+            "on CPU)"
         )
+
+
+class _TensorParallelEdges:
+    """Pipeline edges for stages whose hidden states are DTensors (torchtitan's decoder under
+    tensor parallelism with ``spmd_backend="partial_dtensor"``): its layers pass them on the
+    tp mesh in one layout, ``Shard(1)`` (the sequence) with sequence parallelism, else
+    ``Replicate()``. An edge carries plain tensors, so each stage but the last sends its
+    output's local shard (``to_local``), after checking that the output has that layout on
+    that mesh (a ``ValueError`` naming the stage and the placements otherwise, before
+    anything is sent), and each stage but the first rebuilds the DTensor from the shard it
+    received (``DTensor.from_local``). The gradients cross the same edges back through those
+    two functions' autograd. A DTensor loss becomes a plain one with ``full_tensor``.
+
+    Owns: the hooks it registers on the stages' modules. May touch: nothing else.
+    """
+
+    def __init__(self, mesh: Any, sequence_parallel: bool) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        self.mesh = mesh
+        self.layout = (Shard(1),) if sequence_parallel else (Replicate(),)
+
+    def install(self, stages: list[Any]) -> None:
+        """Hooks on each ``PipelineStage``'s module: a send of the local shard after every
+        stage but the last, a rebuild of the DTensor before every stage but the first."""
+        for st in stages:
+            if st.stage_index != st.num_stages - 1:
+                st.submod.register_forward_hook(functools.partial(self.send, st.stage_index))
+            if st.stage_index != 0:
+                st.submod.register_forward_pre_hook(
+                    functools.partial(self.receive, st.stage_index), with_kwargs=True
+                )
+
+    def send(self, stage: int, module: nn.Module, args: Any, out: Any) -> Any:
+        """A forward hook: the output's local shard, in the edges' layout."""
+        if not is_dtensor(out):
+            raise TypeError(
+                f"stage {stage}'s output is a {type(out).__name__}, not the DTensor on the tp "
+                "mesh the other stages receive"
+            )
+        placements, dims = tuple(out.placements), out.device_mesh.mesh_dim_names
+        if placements != self.layout or dims != self.mesh.mesh_dim_names:
+            raise ValueError(
+                f"stage {stage}'s output has placements {placements} on mesh {dims}, but the "
+                f"pipeline's edges carry {self.layout} on mesh {self.mesh.mesh_dim_names}: "
+                "the next stage would read its shards in the wrong layout"
+            )
+        for p in placements:
+            dim = getattr(p, "dim", None)
+            if dim is not None and out.shape[dim] % self.mesh.size():
+                raise ValueError(
+                    f"stage {stage}'s output {list(out.shape)} is sharded unevenly on dim "
+                    f"{dim} over {self.mesh.size()} tp ranks: the next stage could not "
+                    "rebuild its shape from the shard it receives"
+                )
+        return out.to_local()
+
+    def receive(self, stage: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """A forward pre-hook: the received shard (the first argument) as the DTensor."""
+        from torch.distributed.tensor import DTensor
+
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+            got = "nothing" if not args else type(args[0]).__name__
+            if args and isinstance(args[0], torch.Tensor):
+                got = f"a {args[0].dtype} tensor"
+            raise TypeError(
+                f"stage {stage} under tensor parallelism takes the previous stage's hidden "
+                f"states (a floating-point shard) first, got {got}"
+            )
+        h = DTensor.from_local(args[0], self.mesh, self.layout, run_check=False)
+        return (h, *args[1:]), kwargs
 
 
 def pipelining_fn(
@@ -180,7 +259,7 @@ def pipelining_fn(
 
     def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
         loss, _ = loss_fn(*args, **kwargs)  # torchtitan's losses return (loss, extra)
-        return loss
+        return loss.full_tensor() if is_dtensor(loss) else loss
 
     # torchtitan's parallelize_fn applies FSDP2 to every part, also unsharded (for its mixed
     # precision policy), with a gradient divide factor of 1.0 (its loss is divided by the
@@ -189,6 +268,10 @@ def pipelining_fn(
         type(m).__name__.startswith("FSDP") for m in model_parts
     ):
         options.setdefault("dp_group", _dp_group(parallel_dims))
+    if getattr(parallel_dims, "tp", 1) > 1:
+        _TensorParallelEdges(
+            parallel_dims.get_mesh("tp"), parallelism.enable_sequence_parallel
+        ).install(stages)
     ours = PipelineSchedule(
         stages,
         torch_schedule._n_microbatches,
