@@ -344,3 +344,43 @@ def test_dualpipev_over_fsdp2_sharded_replicas_equals_torchs() -> None:
         for gw, gg in zip(w["grads"], g["grads"], strict=True):
             for a, b in zip(gg, gw, strict=True):
                 torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------- forwards per micro-batch (a counting stage)
+class Counting(Block):
+    """A stage that counts its training-mode forwards in a buffer, as an MoE layer counts
+    its tokens per expert for the load-balancing bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training:
+            self.forwards += 1
+        return super().forward(x, shift)
+
+
+def _count_forwards(rank: int, world: int, impl: str) -> list[int]:
+    torch.manual_seed(0)
+    ids = [rank, 2 * world - 1 - rank]
+    mods = [Counting().double() for _ in ids]
+    stages = [pipelining.PipelineStage(m, i, 2 * world, torch.device("cpu"))
+              for m, i in zip(mods, ids, strict=True)]  # fmt: skip
+    sched = (pipelining if impl == "torch" else gp_pp).ScheduleDualPipeV(stages, 4, mse)
+    x, y, _ = batch(0)
+    for _ in range(2):
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+    if impl == "graphpipe":
+        sched.close()
+    return [int(m.forwards) for m in mods]
+
+
+def test_each_stage_runs_one_forward_per_microbatch_where_torch_runs_one_more_at_first() -> None:
+    """Two steps of 4 micro-batches: graphpipe runs each stage's forward 8 times. torch 2.13's
+    PipelineStage infers its P2P metadata at the first step by running each stage's forward
+    once more in training mode, so a module that counts in forward (MoE token counts) counts 9
+    (docs/torchtitan.md; tests/torchtitan_trainer/launch.py undoes it for the Trainer test's
+    reference). This asserts torch's present behaviour: when it changes, update both."""
+    assert run_ranks(_count_forwards, 2, "graphpipe") == [[8, 8], [8, 8]]
+    assert run_ranks(_count_forwards, 2, "torch") == [[9, 9], [9, 9]]

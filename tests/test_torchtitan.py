@@ -260,8 +260,8 @@ def test_pipelining_fn_runs_torchs_order_of_other_schedules() -> None:
 @pytest.mark.parametrize(
     ("degrees", "backend", "match"),
     [
-        ({"cp": 2}, "partial_dtensor", r"also has \{'cp': 2\}.*not with context"),
-        ({"cp": 2, "ep": 4}, "spmd_types", r"also has \{'cp': 2, 'ep': 4\}"),
+        ({"cp": 2}, "partial_dtensor", r"also has \{'cp': 2\}: graphpipe has no context"),
+        ({"dp_shard": 4, "ep": 4}, "spmd_types", r"\{'dp_shard': 4, 'ep': 4\} needs"),
         (
             {"dp_shard": 2},
             "spmd_types",

@@ -31,9 +31,10 @@ its ``pipeline_order``. Data parallelism (``dp_shard``, ``dp_replicate``: FSDP2 
 by the spec's ``parallelize_fn``) and tensor parallelism run with ``--parallelism.spmd_backend
 partial_dtensor``: graphpipe's pipeline takes the ``batch`` mesh as its ``dp_group`` and FSDP2
 reduces each stage's gradients once per step; the DTensor hidden states of tensor parallelism
-cross the pipeline's edges as their local shards (``_TensorParallelEdges``). Refused with a
-``ValueError`` naming them: context and expert parallelism together with pipeline parallelism,
-data or tensor parallelism under another SPMD backend, and ``backward_requires_autograd=False``.
+cross the pipeline's edges as their local shards (``_TensorParallelEdges``); expert parallelism
+(``ep``, MoE models) runs inside the stages as torchtitan applies it. Refused with a
+``ValueError`` naming them: context parallelism, data, tensor or expert parallelism under
+another SPMD backend, and ``backward_requires_autograd=False``.
 
 torchtitan is an optional dependency: ``pip install 'graphpipe[torchtitan]'``; this module
 imports it when ``pipelining_fn`` is called.
@@ -95,20 +96,18 @@ def _refuse_unsupported(parallel_dims: Any, parallelism: Any) -> None:
     """What this integration does not run exactly (or has not been shown to), by name."""
     others = {
         name: getattr(parallel_dims, name, 1)
-        for name in ("cp", "ep")
+        for name in ("cp",)
         if getattr(parallel_dims, name, 1) not in (1, -1)
     }
     if others:
         raise ValueError(
             f"graphpipe's torchtitan pipelining_fn runs pipeline parallelism with data "
-            f"(dp_shard, dp_replicate) and tensor parallelism only; this job also has "
-            f"{others}: graphpipe composes with expert parallelism through Pipeline("
-            "expert_groups=...) itself, which this integration does not wire yet, and not "
-            "with context parallelism"
+            f"(dp_shard, dp_replicate), tensor and expert parallelism; this job also has "
+            f"{others}: graphpipe has no context parallelism"
         )
     degrees = {
         name: getattr(parallel_dims, name, 1)
-        for name in ("dp_replicate", "dp_shard", "tp")
+        for name in ("dp_replicate", "dp_shard", "tp", "ep")
         if getattr(parallel_dims, name, 1) not in (1, -1)
     }
     backend = getattr(parallelism, "spmd_backend", "partial_dtensor")

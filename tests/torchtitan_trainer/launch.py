@@ -10,7 +10,7 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.attention.flex_attention as fa
-from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining import PipelineStage, schedules
 
 
 class _CpuDevice:
@@ -129,6 +129,31 @@ def _presplit_step(
 
 
 schedules.PipelineScheduleMulti.step = _presplit_step
+
+# For torch's own schedules only: torch's PipelineStage infers its P2P metadata at the first
+# step by running each stage's forward once more, in training mode (torch 2.13: stage 0 on the
+# first micro-batch, the others on placeholder tensors; before: zeros). A module that counts in
+# its forward counts that run too: MoE's tokens_per_expert_E gets one micro-batch more on every
+# MoE layer, and the first expert-bias update differs from what the step's micro-batches give
+# (tests/test_torch_pipelining.py shows it on a counting stage). The buffers are put back as
+# they were, so that torch's schedule is the reference of what the step computes.
+_INFER = next(
+    n for n in ("_forward_metadata_inference", "_shape_inference") if hasattr(PipelineStage, n)
+)
+_infer_forward = getattr(PipelineStage, _INFER)
+
+
+def _metadata_inference_without_side_effects(self, *args, **kwargs):
+    saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
+    try:
+        return _infer_forward(self, *args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+setattr(PipelineStage, _INFER, _metadata_inference_without_side_effects)
 
 if __name__ == "__main__":
     from torchtitan.train import main
