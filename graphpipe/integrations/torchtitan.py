@@ -269,7 +269,7 @@ def pipelining_fn(
         options.setdefault("dp_group", _dp_group(parallel_dims))
     if getattr(parallel_dims, "tp", 1) > 1:
         _TensorParallelEdges(
-            parallel_dims.get_mesh("tp"), parallelism.enable_sequence_parallel
+            parallel_dims.get_mesh("tp"), getattr(parallelism, "enable_sequence_parallel", True)
         ).install(stages)
     ours = PipelineSchedule(
         stages,
