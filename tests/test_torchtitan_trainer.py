@@ -32,6 +32,12 @@ HERE = Path(__file__).resolve().parent / "torchtitan_trainer"
 ROOT = HERE.parent.parent
 STEPS = 5
 _STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+(-?[\d.]+)\s+grad_norm:\s+([\d.]+)")
+_VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+(-?[\d.]+)")
+# Validation (schedule.eval) at steps 1, 2 and 4, on one batch of the test's dataset.
+_VALIDATION = (
+    "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
+    "--validator.dataloader.dataset", "c4_test",
+)  # fmt: skip
 _BACKEND = ("--parallelism.spmd_backend", "partial_dtensor")  # data / tensor parallelism
 _BUILDS = re.compile(r"PP rank (\d+) is building stage_idx (\d+) with modules (\[.*?\])")
 
@@ -115,6 +121,11 @@ def _train(
     return [logged[s] for s in range(1, steps + 1)], log
 
 
+def _validation(log: str) -> dict[int, float]:
+    """The validation loss logged at each step that validated (on the last stage's ranks)."""
+    return {int(s): float(v) for s, v in _VALIDATE.findall(log) if float(v) >= 0}
+
+
 def _split(log: str) -> dict[int, tuple[int, str]]:
     """Each stage's rank and modules, as the Trainer logs them."""
     return {int(s): (int(r), m) for r, s, m in _BUILDS.findall(log)}
@@ -143,10 +154,22 @@ def test_torchtitans_trainer_trains_with_graphpipe_eager_and_captured(
     titan: tuple[Path, Path],
 ) -> None:
     tmp, seed = titan
-    interleaved, interleaved_log = _train(tmp, seed, "stock_debugmodel", "Interleaved1F1B")
+    interleaved, interleaved_log = _train(
+        tmp, seed, "stock_debugmodel", "Interleaved1F1B", *_VALIDATION
+    )
+    # (torch 2.13's DualPipeV cannot eval after a training step: no validation there.)
     stock, stock_log = _train(tmp, seed, "stock_debugmodel")
-    eager, _ = _train(tmp, seed, "graphpipe_debugmodel")
-    captured, _ = _train(tmp, seed, "graphpipe_debugmodel_captured")
+    eager, eager_log = _train(tmp, seed, "graphpipe_debugmodel", "DualPipeV", *_VALIDATION)
+    captured, captured_log = _train(
+        tmp, seed, "graphpipe_debugmodel_captured", "DualPipeV", *_VALIDATION
+    )
+    # Validation (schedule.eval between steps, no loss_kwargs): the same losses.
+    validated = _validation(interleaved_log)
+    assert sorted(validated) == [1, 2, 4], interleaved_log[-4000:]
+    for log in (eager_log, captured_log):
+        got = _validation(log)
+        assert sorted(got) == [1, 2, 4], log[-4000:]
+        assert all(abs(got[s] - v) <= 1.5e-4 for s, v in validated.items()), (validated, got)
     # The same four stages: Interleaved1F1B places them 0 2 | 1 3, DualPipeV's V 0 3 | 1 2.
     loop, v = _split(interleaved_log), _split(stock_log)
     assert sorted(loop) == sorted(v) == [0, 1, 2, 3], (loop, v)

@@ -457,7 +457,8 @@ class PipelineSchedule:
     ) -> Any:
         """Forward only, as torch's ``eval``: the last stage's outputs (concatenated on dim 0)
         on its rank, None elsewhere; with a target there and a ``loss_fn``, ``losses`` is
-        given each micro-batch's loss. Always eager (also with ``capture``)."""
+        given each micro-batch's ``loss_fn(output, target)`` (no ``loss_kwargs``, as in
+        torch). Always eager (also with ``capture``)."""
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
         inputs, labels, kw = self._batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
@@ -473,12 +474,9 @@ class PipelineSchedule:
                 for i in range(m):
                     o = tuple(c[i] for c in outs)
                     t = tuple(c[i] for c in tgts)
+                    # No loss_kwargs: torch's eval takes none (not the last step's).
                     losses.append(
-                        self._loss_fn(
-                            o[0] if len(o) == 1 else o,
-                            t[0] if len(t) == 1 else t,
-                            **self._loss_kwargs.values,
-                        )
+                        self._loss_fn(o[0] if len(o) == 1 else o, t[0] if len(t) == 1 else t)
                     )
         return out
 
