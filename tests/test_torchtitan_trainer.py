@@ -102,20 +102,34 @@ def _train(
     nproc: int = 2,
     pp: int = 2,
     steps: int = STEPS,
+    resumes: int = 0,
 ) -> tuple[list[tuple[float, float]], str]:
     """The Trainer with ``config``, ``schedule`` and ``args`` on ``nproc`` processes (``pp``
     pipeline ranks of 2 stages each), from the seed checkpoint ``seed``: the loss and the
     gradient norm logged at each step (the loss on the last stage's ranks; the others log a
-    negative placeholder), and the log."""
-    log = _torchrun(
-        tmp, nproc, config, "--parallelism.pipeline_parallel_degree", str(pp),
+    negative placeholder), and the log. ``resumes``: the run ends after that step, saving
+    its checkpoint, and a second run resumes from it to ``steps`` (the losses of both)."""
+    dump = tmp / f"out-{config}-{schedule}-{nproc}-{resumes}-{'-'.join(args)}"
+    common = (
+        "--parallelism.pipeline_parallel_degree", str(pp),
         "--parallelism.pipeline_parallel_schedule", schedule,
-        "--parallelism.pipeline_parallel_microbatch_size", "1",
-        "--training.steps", str(steps), "--validator.freq", "100",
-        "--checkpoint.enable", "--checkpoint.load_only",
-        "--checkpoint.initial_load_path", str(seed),
-        "--dump_folder", str(tmp / f"out-{config}-{schedule}-{nproc}-{'-'.join(args)}"), *args,
+        "--parallelism.pipeline_parallel_microbatch_size", "1", "--validator.freq", "100",
+        "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+        "--dump_folder", str(dump),
     )  # fmt: skip
+    if resumes:
+        save = ("--checkpoint.interval", str(resumes))
+        first = _torchrun(
+            tmp, nproc, config, *common, *save, "--training.steps", str(resumes), *args
+        )
+        rest = _torchrun(tmp, nproc, config, *common, *save, "--training.steps", str(steps), *args)
+        assert f"checkpoint/step-{resumes}" in rest, rest[-4000:]  # it resumed from there
+        log = first + rest
+    else:
+        log = _torchrun(
+            tmp, nproc, config, *common, "--checkpoint.load_only", "--training.steps",
+            str(steps), *args,
+        )  # fmt: skip
     logged = {int(s): (float(v), float(n)) for s, v, n in _STEP.findall(log) if float(v) >= 0}
     assert sorted(logged) == list(range(1, steps + 1)), log[-4000:]
     return [logged[s] for s in range(1, steps + 1)], log
@@ -159,7 +173,11 @@ def test_torchtitans_trainer_trains_with_graphpipe_eager_and_captured(
     )
     # (torch 2.13's DualPipeV cannot eval after a training step: no validation there.)
     stock, stock_log = _train(tmp, seed, "stock_debugmodel")
-    eager, eager_log = _train(tmp, seed, "graphpipe_debugmodel", "DualPipeV", *_VALIDATION)
+    # Eager: 2 steps, a checkpoint (torchtitan's DCP of graphpipe's stages), then a second
+    # run that resumes from it for steps 3 to 5.
+    eager, eager_log = _train(
+        tmp, seed, "graphpipe_debugmodel", "DualPipeV", *_VALIDATION, resumes=2
+    )
     captured, captured_log = _train(
         tmp, seed, "graphpipe_debugmodel_captured", "DualPipeV", *_VALIDATION
     )
