@@ -241,7 +241,6 @@ class PipelineSchedule:
                 f"that divides by n_microbatches itself, or drop {inside[0]}"
             )
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-        _check_replicas(name, options.get("dp_group"), stages)
         if not stages:
             raise ValueError(f"{name} needs this rank's PipelineStage objects, got none")
         for s in stages:
@@ -251,6 +250,7 @@ class PipelineSchedule:
                     f"{name} takes torch.distributed.pipelining PipelineStage objects; got a "
                     f"{type(s).__name__} without {missing}"
                 )
+        _check_replicas(name, options.get("dp_group"), stages)
         stages.sort(key=lambda s: s.stage_index)
         groups = {id(getattr(s, "group", None)) for s in stages}
         if len(groups) > 1:
