@@ -1,10 +1,11 @@
 """torchtitan's unmodified Trainer trains with graphpipe's pipelining_fn (DualPipeV) set by a
 config module, on CPU gloo processes (torchrun), every run from one seed checkpoint, each
 step's loss and gradient norm compared with torch's stock Interleaved1F1B on the same stages
-and parallelism: llama3's debugmodel on 2 processes for 5 steps, eager and captured (and
-torch's stock DualPipeV); on 4 processes for 3 steps, pipeline 2 x FSDP2 2 (eager) or HSDP 2
-(captured), and pipeline 2 x tensor 2 (captured); DeepSeek-V3's MoE debugmodel on pipeline 2
-x FSDP2 2 with the experts over the same ranks (captured). The CPU shims live in
+and parallelism: llama3's debugmodel on 2 processes for 5 steps, eager (resumed from a
+checkpoint after step 2) and captured, with validation (and step 1 of torch's stock
+DualPipeV); on 4 processes for 2 steps, pipeline 2 x FSDP2 2 (eager) or HSDP 2 (captured), and
+pipeline 2 x tensor 2 (captured); DeepSeek-V3's MoE debugmodel for 3 steps on pipeline 2 x
+FSDP2 2 with the experts over the same ranks (captured). The CPU shims live in
 tests/torchtitan_trainer/launch.py, each with a comment; the tokenizer and the dataset are
 written here. Skipped where torchtitan is not installed."""
 
@@ -172,7 +173,7 @@ def test_torchtitans_trainer_trains_with_graphpipe_eager_and_captured(
         tmp, seed, "stock_debugmodel", "Interleaved1F1B", *_VALIDATION
     )
     # (torch 2.13's DualPipeV cannot eval after a training step: no validation there.)
-    stock, stock_log = _train(tmp, seed, "stock_debugmodel")
+    stock, stock_log = _train(tmp, seed, "stock_debugmodel", steps=1)  # (its step 1 only)
     # Eager: 2 steps, a checkpoint (torchtitan's DCP of graphpipe's stages), then a second
     # run that resumes from it for steps 3 to 5.
     eager, eager_log = _train(
@@ -204,7 +205,6 @@ def test_torchtitans_trainer_trains_with_graphpipe_eager_and_captured(
     # (0.7345 against 0.7360), and from step 2 on it trains other weights (losses 0.8e-5
     # to 3.2e-5, relative, from the others at steps 2 to 5).
     assert abs(stock[0][0] - eager[0][0]) <= 1e-5 * eager[0][0], (stock, eager)
-    assert all(abs(g - w) <= 1e-4 * w for (g, _), (w, _) in zip(stock, eager, strict=True))
 
 
 @pytest.mark.distributed
@@ -218,7 +218,7 @@ def test_torchtitans_trainer_with_data_parallelism_trains_with_graphpipe(
     tmp, seed = titan
     shard = ("--parallelism.data_parallel_shard_degree", "2", *_BACKEND)
     replicate = ("--parallelism.data_parallel_replicate_degree", "2", *_BACKEND)
-    run = functools.partial(_train, tmp, seed, nproc=4, steps=3)
+    run = functools.partial(_train, tmp, seed, nproc=4, steps=2)
     reference, _ = run("stock_debugmodel", "Interleaved1F1B", *shard)
     eager, log = run("graphpipe_debugmodel", "DualPipeV", *shard)
     assert "Applied FSDP to the model" in log, log[-4000:]
@@ -240,7 +240,7 @@ def test_torchtitans_trainer_with_tensor_parallelism_trains_with_graphpipe(
     edges as DTensor shards), against torch's stock Interleaved1F1B on the same stages."""
     tmp, seed = titan
     tp = ("--parallelism.tensor_parallel_degree", "2", *_BACKEND)
-    run = functools.partial(_train, tmp, seed, nproc=4, steps=3)
+    run = functools.partial(_train, tmp, seed, nproc=4, steps=2)
     reference, _ = run("stock_debugmodel", "Interleaved1F1B", *tp)
     # Captured only: its first step is the eager step that records the plan.
     captured, _ = run("graphpipe_debugmodel_captured", "DualPipeV", *tp)
