@@ -495,6 +495,8 @@ def _check_replicas(name: str, dp_group: Any, stages: Sequence[Any]) -> None:
     FSDP2's default mean over the replicas would become a sum."""
     if dp_group is None or dist.get_world_size(dp_group) == 1:
         return
+    from torch.distributed.fsdp import fully_shard
+
     from graphpipe.runtime.fsdp import fsdp_modules, param_groups
 
     size = dist.get_world_size(dp_group)
@@ -509,8 +511,6 @@ def _check_replicas(name: str, dp_group: Any, stages: Sequence[Any]) -> None:
                 "schedule would leave their gradients per replica, graphpipe would average "
                 "them; shard the stage, or pass a dp_group of one rank"
             )
-        from torch.distributed.fsdp import fully_shard
-
         for m in mods:
             for group in param_groups(fully_shard.state(m)):
                 factor = getattr(group, "gradient_divide_factor", None)

@@ -92,24 +92,22 @@ def _dp_group(parallel_dims: Any) -> Any:
     raise ValueError("graphpipe found no batch / fsdp / dp_shard / dp mesh in parallel_dims")
 
 
+def _degrees(parallel_dims: Any, names: tuple[str, ...]) -> dict[str, int]:
+    """``{name: degree}`` of the parallelisms ``names`` that are on (not 1; -1: inferred)."""
+    degrees = {name: getattr(parallel_dims, name, 1) for name in names}
+    return {name: d for name, d in degrees.items() if d not in (1, -1)}
+
+
 def _refuse_unsupported(parallel_dims: Any, parallelism: Any) -> None:
     """What this integration does not run exactly (or has not been shown to), by name."""
-    others = {
-        name: getattr(parallel_dims, name, 1)
-        for name in ("cp",)
-        if getattr(parallel_dims, name, 1) not in (1, -1)
-    }
+    others = _degrees(parallel_dims, ("cp",))
     if others:
         raise ValueError(
             f"graphpipe's torchtitan pipelining_fn runs pipeline parallelism with data "
             f"(dp_shard, dp_replicate), tensor and expert parallelism; this job also has "
             f"{others}: graphpipe has no context parallelism"
         )
-    degrees = {
-        name: getattr(parallel_dims, name, 1)
-        for name in ("dp_replicate", "dp_shard", "tp", "ep")
-        if getattr(parallel_dims, name, 1) not in (1, -1)
-    }
+    degrees = _degrees(parallel_dims, ("dp_replicate", "dp_shard", "tp", "ep"))
     backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
     if degrees and backend != "partial_dtensor":
         raise ValueError(
