@@ -272,14 +272,6 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _remove_install_link(work: Path) -> None:
-    """The install fallback's ``graphpipe/kernels`` link, if this run made it."""
-    figures = work / "install.figures.json"
-    link = ROOT / "graphpipe" / "kernels"
-    if link.is_symlink() and figures.exists() and "created_link" in json.loads(figures.read_text()):
-        link.unlink()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     out = Path(args[0] if args else os.environ.get("OUT") or "/tmp/graphpipe-gpu")
@@ -302,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {exc}", file=sys.stderr)
         return 2
     finally:
-        _remove_install_link(work)
         shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(summary, indent=1, default=str)
     (out / "gpu_check.json").write_text(text + "\n")

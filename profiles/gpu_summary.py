@@ -222,13 +222,12 @@ def host_info() -> dict[str, Any]:
 
 
 def install(repo: Path, figures_path: Path, pip_timeout: float) -> int:
-    """Install the project without a registry; fall back to a ``graphpipe/kernels`` link.
+    """Install the project without a registry; fall back to the repository on ``PYTHONPATH``.
 
     ``pip install --no-deps --no-build-isolation --no-index -e .`` uses the setuptools already
-    installed and fetches nothing. ``graphpipe.kernels`` exists only through the install
-    (``kernels/`` maps to it), so if the install fails, ``graphpipe/kernels`` is made a
-    symbolic link to ``../kernels`` (removed again by gpu_check.py at the end), which works with
-    the repository root on ``PYTHONPATH``. Returns 0 when ``graphpipe.kernels`` imports.
+    installed and fetches nothing. ``graphpipe.kernels`` lives in ``graphpipe/kernels``, so
+    if the install fails the checks still import it with the repository root on
+    ``PYTHONPATH`` (gpu_check.py sets it). Returns 0 when ``graphpipe.kernels`` imports.
     """
     figures: dict[str, Any] = {}
     try:
@@ -257,11 +256,7 @@ def install(repo: Path, figures_path: Path, pip_timeout: float) -> int:
     found = kernels_import() if figures["pip_rc"] == 0 else None
     figures["method"] = "pip editable install"
     if found is None:
-        link = repo / "graphpipe" / "kernels"
-        if not link.exists():
-            link.symlink_to(Path("..") / "kernels", target_is_directory=True)
-            figures["created_link"] = str(link)
-        figures["method"] = "fallback: graphpipe/kernels -> ../kernels link, repo on PYTHONPATH"
+        figures["method"] = "fallback: the repository on PYTHONPATH"
         found = kernels_import()
     figures["graphpipe_kernels"] = found
     figures_path.write_text(json.dumps(figures, indent=1))

@@ -24,9 +24,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"graphpipe": ROOT / "graphpipe", "graphpipe.kernels": ROOT / "kernels"}
-"""Where each package's source lives (pyproject.toml installs ``kernels/`` as
-``graphpipe.kernels``)."""
+PACKAGES = {"graphpipe": ROOT / "graphpipe"}
+"""Where each package's source lives."""
 
 FACADE = "graphpipe"
 FACADE_USERS = frozenset({"graphpipe.cli", "graphpipe.__main__"})
