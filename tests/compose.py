@@ -16,7 +16,22 @@ A *case* is a dict (every key optional but ``n``):
   of replica 0 with no valid token;
 * ``calls``: 1 to 3 ``step`` calls accumulated without zeroing; ``no_sync``: the calls but the
   last inside ``pipe.no_sync()``; ``capture``: ``False`` or ``"step"``;
-* ``clip``: ``None`` or ``(max_norm, norm_type)``; ``seed``.
+* ``clip``: ``None`` or ``(max_norm, norm_type)``; ``seed``;
+* ``mix``: ``None`` or one float per call: a ``PerMicrobatch`` keyword ``mix`` (``Mix``: a
+  tensor per micro-batch and a function closing over the call's float, a constant that a
+  captured step bakes in) that every stage takes; ``recapture``: the pipeline's
+  ``recapture`` (a call whose constant differs from the captured one captures anew);
+* ``capture`` may also be ``"action"``; ``alternate``: odd calls take twice the rows (another
+  batch signature: with ``recapture``, each signature's own capture, replayed in turn);
+* ``opt``: ``None`` or ``(lrs, weight_decay)``: each call is a training step of SGD (momentum
+  0.9) with the call's learning rate ``lrs[c]``: under capture the pipeline's
+  ``capture_optimizer`` (zeroing and stepping inside the step), else zeroed and stepped around
+  it; a captured step whose learning rate changed after its capture is refused naming
+  ``lr`` (the run stops there, and the calls before it are compared);
+* ``unused``: every stage holds a parameter its forward never reads (no gradient: weight
+  decay must leave it alone, as one process does);
+* ``twin``: a second pipeline over the same stages; odd calls run on it (a ``no_sync``
+  window belongs to the parameters, whichever pipeline opened it).
 
 ``run_case(rank, world, case)`` is the rank side (``tests.spawn.run_ranks``);
 ``reference(case)`` computes the same in one process on the whole batch: the losses of every
@@ -26,6 +41,7 @@ the other.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -38,11 +54,14 @@ DIM, SEQ = 4, 3
 
 class SeqBlock(nn.Module):
     """A ``Block`` over tokens ``[B, T, D]`` that mixes a running mean of the valid tokens
-    (a causal, masked stand-in for attention): ``mask`` ``[B, T]`` zeroes padded tokens."""
+    (a causal, masked stand-in for attention): ``mask`` ``[B, T]`` zeroes padded tokens.
+    ``unused``: a parameter the forward never reads."""
 
-    def __init__(self, index: int, num_stages: int) -> None:
+    def __init__(self, index: int, num_stages: int, unused: bool = False) -> None:
         super().__init__()
         self.block = Block(DIM, index, num_stages)
+        if unused:
+            self.unused = nn.Parameter(torch.ones(2))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.block(x)
@@ -53,6 +72,58 @@ class SeqBlock(nn.Module):
         return h * w + torch.cumsum(h * w, dim=1) / seen
 
 
+@dataclasses.dataclass
+class Mix:
+    """A ``PerMicrobatch`` value (case key ``mix``): a gain per row of the micro-batch and a
+    function without tensors closing over the call's float (a constant of a captured step,
+    compared by value before every replay)."""
+
+    gain: torch.Tensor  # [rows of the micro-batch, 1, 1]
+    fn: Any
+
+
+def mix_fn(k: float) -> Any:
+    """A new function every call, over the float ``k``."""
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h * k)
+
+    return fn
+
+
+class MixBlock(SeqBlock):
+    """A ``SeqBlock`` that adds ``mix.gain * mix.fn(h)``: each micro-batch's own value."""
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, mix: Mix | None = None
+    ) -> torch.Tensor:
+        h = super().forward(x, mask)
+        return h if mix is None else h + mix.gain * mix.fn(h)
+
+
+def mix_of(case: dict, call: int, rows: slice) -> dict[str, Mix]:
+    """The ``mix`` value of the global batch rows ``rows`` of call ``call`` ({} without)."""
+    ks = case.get("mix")
+    if not ks:
+        return {}
+    dp, total = case.get("dp", 1), rows_of(case, call)
+    g = torch.Generator().manual_seed(5000 + 1000 * case.get("seed", 0) + call)
+    gains = torch.rand(dp * total, 1, 1, generator=g, dtype=torch.float64) + 0.5
+    return {"mix": Mix(gains[rows], mix_fn(ks[call]))}
+
+
+def mix_keyword(case: dict, call: int, rows: slice) -> dict[str, Any]:
+    """The ``PerMicrobatch`` keyword of a replica's rows ``rows`` ({} without ``mix``)."""
+    import graphpipe
+
+    if not case.get("mix"):
+        return {}
+    per = (rows.stop - rows.start) // case["m"]
+    starts = range(rows.start, rows.stop, per)
+    values = [mix_of(case, call, slice(i, i + per))["mix"] for i in starts]
+    return {"mix": graphpipe.PerMicrobatch(values)}
+
+
 def num_stages(case: dict) -> int:
     return case["n"] if case.get("schedule", "dualpipev") == "1f1b" else 2 * case["n"]
 
@@ -61,7 +132,8 @@ def build(case: dict) -> list[nn.Module]:
     """Every stage, the same in every process for ``case["seed"]``."""
     g = torch.Generator().manual_seed(case.get("seed", 0))
     k = num_stages(case)
-    stages = [SeqBlock(i, k).double() for i in range(k)]
+    block = MixBlock if case.get("mix") else SeqBlock
+    stages = [block(i, k, bool(case.get("unused"))).double() for i in range(k)]
     with torch.no_grad():
         for s in stages:
             for p in s.parameters():
@@ -101,10 +173,43 @@ def stage_ids(case: dict, rank: int) -> tuple[int, ...]:
     return SCHEDULES[name].placement(case["n"]).stages_of(rank)
 
 
+def rows_of(case: dict, call: int) -> int:
+    """Each replica's batch rows in call ``call`` (twice ``rows`` in odd calls with
+    ``alternate``)."""
+    return case["rows"] * (2 if case.get("alternate") and call % 2 else 1)
+
+
+def lr_of(case: dict, call: int) -> float:
+    return case["opt"][0][call]
+
+
+def refused_at(case: dict) -> int | None:
+    """The call a captured pipeline refuses (its learning rate changed after its capture:
+    the second step of a signature captures), or None."""
+    if not case.get("capture") or not case.get("opt"):
+        return None
+    seen: dict[int, int] = {}  # rows -> calls of that signature since its warmup
+    baked: dict[int, float] = {}
+    made_with: dict[int, Any] = {}  # rows -> the mix constant its warmup saw
+    mix = case.get("mix")
+    for c in range(case.get("calls", 1)):
+        r = rows_of(case, c)
+        if mix and r in made_with and mix[c] != made_with[r]:
+            seen[r] = 0  # another constant (recapture=True): a new warmup and capture
+        if seen.get(r, 0) == 0 and mix:
+            made_with[r] = mix[c]
+        seen[r] = seen.get(r, 0) + 1
+        if seen[r] == 2:
+            baked[r] = lr_of(case, c)
+        elif seen[r] > 2 and lr_of(case, c) != baked[r]:
+            return c
+    return None
+
+
 def call_batch(case: dict, call: int) -> dict[str, torch.Tensor]:
     """The global batch of call ``call`` (every replica's rows): ``x``, ``y`` ``[B, T, D]``,
     with padding ``mask`` ``[B, T]`` and with ``"sum"`` ``count``."""
-    dp, rows, m = case.get("dp", 1), case["rows"], case["m"]
+    dp, rows, m = case.get("dp", 1), rows_of(case, call), case["m"]
     g = torch.Generator().manual_seed(1000 * case.get("seed", 0) + call)
     total = dp * rows
     out = {
@@ -199,32 +304,59 @@ def run_case(rank: int, world: int, case: dict) -> dict:
         for s in mine:
             fully_shard(s, mesh=mesh["dp"], reshard_after_forward=case["fsdp"] == "reshard")
     clip = case.get("clip")
-    pipe = graphpipe.Pipeline(
-        mine,
-        schedule=schedule_of(case),
-        num_microbatches=case["m"],
-        loss_fn=mean_loss if case.get("reduction", "mean") == "mean" else sum_loss,
-        loss_reduction=case.get("reduction", "mean"),
-        group=group,
-        dp_group=dp_group,
-        capture=case.get("capture", False),
-        clip_grad_norm=clip[0] if clip else None,
-        clip_norm_type=clip[1] if clip else 2.0,
-    )
-    rows = case["rows"]
-    mine_rows = slice(d * rows, (d + 1) * rows)
+    opt = None
+    if case.get("opt"):
+        unique = list({id(q): q for s in mine for q in s.parameters()}.values())
+        opt = torch.optim.SGD(unique, lr=lr_of(case, 0), momentum=0.9, weight_decay=case["opt"][1])
+    inside = opt if case.get("capture") else None  # capture_optimizer: inside the step
+
+    def pipeline() -> Any:
+        return graphpipe.Pipeline(
+            mine,
+            schedule=schedule_of(case),
+            num_microbatches=case["m"],
+            loss_fn=mean_loss if case.get("reduction", "mean") == "mean" else sum_loss,
+            loss_reduction=case.get("reduction", "mean"),
+            group=group,
+            dp_group=dp_group,
+            capture=case.get("capture", False),
+            recapture=case.get("recapture", False),
+            capture_optimizer=inside,
+            clip_grad_norm=clip[0] if clip else None,
+            clip_norm_type=clip[1] if clip else 2.0,
+        )
+
+    pipes = [pipeline(), pipeline()] if case.get("twin") else [pipeline()]
     losses = []
     calls = case.get("calls", 1)
+    refused = None
     for c in range(calls):
+        pipe = pipes[c % len(pipes)]
+        rows = rows_of(case, c)
+        mine_rows = slice(d * rows, (d + 1) * rows)
         batch = call_batch(case, c)
         kw = keywords(case, batch, mine_rows)
+        kw.update(mix_keyword(case, c, mine_rows))
         x = batch["x"][mine_rows] if pipe.is_input_rank else None
         y = batch["y"][mine_rows] if pipe.is_loss_rank else None
-        if case.get("no_sync") and c < calls - 1:
-            with pipe.no_sync():
+        if opt is not None:
+            for group_ in opt.param_groups:
+                group_["lr"] = lr_of(case, c)
+            if inside is None:
+                opt.zero_grad()
+        try:
+            if case.get("no_sync") and c < calls - 1:
+                with pipe.no_sync():
+                    loss = pipe.step(x, y, **kw)
+            else:
                 loss = pipe.step(x, y, **kw)
-        else:
-            loss = pipe.step(x, y, **kw)
+        except RuntimeError as e:
+            if "param_groups[0]['lr'] changed" not in str(e):
+                raise
+            refused = c  # the case's expected end: compared by compare()
+            break
+        if opt is not None and inside is None:
+            opt.step()
         losses.append(loss.clone())
     grads = {}
     for s, mod in zip(ids, mine, strict=True):
@@ -233,11 +365,23 @@ def run_case(rank: int, world: int, case: dict) -> dict:
             if g is not None and hasattr(g, "full_tensor"):
                 g = g.full_tensor()
             grads[(s, name)] = None if g is None else g.detach().clone()
-    norm = pipe.grad_norm
-    pipe.close()
+    params = {}
+    for s, mod in zip(ids, mine, strict=True):
+        for name, q in mod.named_parameters(remove_duplicate=False):
+            q = q.full_tensor() if hasattr(q, "full_tensor") else q
+            params[(s, name)] = q.detach().clone()
+    norm = pipes[(len(losses) - 1) % len(pipes)].grad_norm if losses else None
+    for p_ in pipes:
+        p_.close()
     if dist.is_initialized():
         dist.barrier()
-    return {"losses": losses, "grads": grads, "norm": None if norm is None else norm.clone()}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "norm": None if norm is None else norm.clone(),
+        "refused": refused,
+    }
 
 
 # ------------------------------------------------------------------------------ reference
@@ -248,12 +392,21 @@ def reference(case: dict) -> dict:
     if case.get("tied"):
         stages[-1].block.fc1.weight = stages[0].block.fc1.weight
     unique = list({id(q): q for s in stages for q in s.parameters()}.values())
-    dp, rows, m = case.get("dp", 1), case["rows"], case["m"]
+    dp, m = case.get("dp", 1), case["m"]
     reduction = case.get("reduction", "mean")
     calls = case.get("calls", 1)
+    stop = refused_at(case)
+    opt = None
+    if case.get("opt"):
+        opt = torch.optim.SGD(unique, lr=lr_of(case, 0), momentum=0.9, weight_decay=case["opt"][1])
     losses, norm = [], None
-    for c in range(calls):
+    for c in range(calls if stop is None else stop):
+        if opt is not None:
+            opt.zero_grad()
+            for group in opt.param_groups:
+                group["lr"] = lr_of(case, c)
         batch = call_batch(case, c)
+        rows = rows_of(case, c)
         per = rows // m
         parts = []
         for d in range(dp):
@@ -262,7 +415,7 @@ def reference(case: dict) -> dict:
                 kw = keywords(case, batch, r)
                 h = batch["x"][r]
                 for s in stages:
-                    h = s(h, mask=kw.get("mask"))
+                    h = s(h, mask=kw.get("mask"), **mix_of(case, c, r))
                 fn = mean_loss if reduction == "mean" else sum_loss
                 parts.append(fn(h, batch["y"][r], **kw))
         loss = torch.stack(parts).mean() if reduction == "mean" else torch.stack(parts).sum()
@@ -271,12 +424,19 @@ def reference(case: dict) -> dict:
         clip = case.get("clip")
         if clip and not (case.get("no_sync") and c < calls - 1):
             norm = torch.nn.utils.clip_grad_norm_(unique, clip[0], clip[1])
+        if opt is not None:
+            opt.step()
     grads = {
         (i, name): (None if q.grad is None else q.grad.clone())
         for i, s in enumerate(stages)
         for name, q in s.named_parameters(remove_duplicate=False)
     }
-    return {"losses": losses, "grads": grads, "norm": norm}
+    params = {
+        (i, name): q.detach().clone()
+        for i, s in enumerate(stages)
+        for name, q in s.named_parameters(remove_duplicate=False)
+    }
+    return {"losses": losses, "grads": grads, "params": params, "norm": norm, "refused": stop}
 
 
 # Float64, the pipeline against one process: micro-batch GEMMs and deferred weight gradients
@@ -291,6 +451,17 @@ def compare(case: dict, results: list[dict], want: dict | None = None) -> None:
     the case, the rank and the tensor otherwise)."""
     want = want if want is not None else reference(case)
     for rank, res in enumerate(results):
+        assert res["refused"] == want["refused"], (
+            f"{case} rank {rank}: refused at call {res['refused']}, expected {want['refused']}"
+        )
+        for key, q in res["params"].items():
+            torch.testing.assert_close(
+                q,
+                want["params"][key],
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda s, key=key, r=rank: f"{case} rank {r} parameter {key}: {s}",
+            )
         for c, (got, exp) in enumerate(zip(res["losses"], want["losses"], strict=True)):
             torch.testing.assert_close(
                 got,

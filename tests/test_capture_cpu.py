@@ -205,16 +205,18 @@ def test_plan_keeps_buffers_alive_until_the_deferred_W():
     assert plan.buffers[("recv_grad", 0, 0)][0] is not plan.buffers[("recv_grad", 0, 1)][0]
 
 
-def _optimizer_case(rank: int, world: int) -> list[str]:
+def _optimizer_case(rank: int, world: int, mode: str) -> list[str]:
     import graphpipe
 
     es = local_stages(build_stages(2 * world), rank, world)
     cs = local_stages(build_stages(2 * world), rank, world)
-    opt_e = torch.optim.Adam(params(es), lr=1e-2)
-    opt_c = torch.optim.Adam(params(cs), lr=1e-2)
+    # SGD with momentum and weight decay: its step stays on tensors (torch's Adam reads its
+    # step count on the host unless capturable=True, which torch supports on CUDA only).
+    opt_e = torch.optim.SGD(params(es), lr=1e-2, momentum=0.9, weight_decay=0.1)
+    opt_c = torch.optim.SGD(params(cs), lr=1e-2, momentum=0.9, weight_decay=0.1)
     eager = graphpipe.DualPipeV(es, num_microbatches=4, loss_fn=mse)
     captured = graphpipe.DualPipeV(
-        cs, num_microbatches=4, loss_fn=mse, capture=True, capture_optimizer=opt_c
+        cs, num_microbatches=4, loss_fn=mse, capture=mode, capture_optimizer=opt_c
     )
     problems = []
     for step in range(5):
@@ -224,18 +226,31 @@ def _optimizer_case(rank: int, world: int) -> list[str]:
         le = eager.step(xs, ys)
         opt_e.step()
         lc = captured.step(xs, ys)  # zeroes grads and steps opt_c itself
-        # bitwise: the static replay runs the eager program's kernels in the same order
+        # bitwise: the replay runs the eager program's kernels in the same order
         if not torch.equal(le, lc):
             problems.append(f"step {step}: loss differs")
         for i, (a, b) in enumerate(zip(params(es), params(cs))):
             if not torch.equal(a, b):
                 problems.append(f"step {step}: parameter {i} differs after the optimizer step")
+    captured.close()
     return problems
 
 
-def test_capture_optimizer_runs_zero_grad_and_the_optimizer_step_inside_the_step():
-    for rank, problems in enumerate(run_ranks(_optimizer_case, 2)):
+@pytest.mark.parametrize("mode", ["step", "action"])
+def test_capture_optimizer_runs_zero_grad_and_the_optimizer_step_inside_the_step(mode):
+    for rank, problems in enumerate(run_ranks(_optimizer_case, 2, mode)):
         assert problems == [], f"rank {rank}"
+
+
+def test_an_optimizer_that_reads_its_step_on_the_host_is_refused_on_cpu():
+    import graphpipe
+
+    stages = local_stages(build_stages(2), 0, 1)
+    opt = torch.optim.Adam(params(stages), lr=0.1)
+    with pytest.raises(ValueError, match=r"Adam reads its step count on the host .*SGD"):
+        graphpipe.DualPipeV(
+            stages, num_microbatches=2, loss_fn=mse, capture=True, capture_optimizer=opt
+        )
 
 
 def test_capture_optimizer_without_capture_is_refused():

@@ -138,7 +138,9 @@ def test_clip_grad_norm_in_the_captured_step_with_the_optimizer() -> None:
         local_stages(build_stages(2, tied=True), 0, 1),
         local_stages(build_stages(2, tied=True), 0, 1),
     )
-    opt_e, opt_c = (torch.optim.Adam(unique_params(s), lr=1e-2) for s in (es, cs))
+    # SGD with momentum: a step that stays on tensors (torch's Adam reads its step count on
+    # the host unless capturable=True, which torch has on CUDA only)
+    opt_e, opt_c = (torch.optim.SGD(unique_params(s), lr=1e-2, momentum=0.9) for s in (es, cs))
     kw = dict(num_microbatches=4, loss_fn=mse, clip_grad_norm=0.3)
     eager = graphpipe.DualPipeV(es, **kw)
     captured = graphpipe.DualPipeV(cs, capture=True, capture_optimizer=opt_c, **kw)

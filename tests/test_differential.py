@@ -3,7 +3,11 @@
 Hypothesis draws a case (``tests/compose.py``: schedule, ranks, micro-batches, tied weights,
 data parallelism, FSDP2 with either reshard policy, ``loss_reduction``, a padding mask with
 right or left padding and empty micro-batches, 1 to 3 accumulated calls with or without
-``no_sync``, eager or static replay, clipping with each norm type; float64), runs it on gloo
+``no_sync``, eager or captured per step or per action, clipping with each norm type, and under
+capture a ``PerMicrobatch`` keyword whose constant stays or, with ``recapture=True``, changes
+between calls, alternating batch signatures (``recapture``), SGD steps with a learning rate
+that may change (inside the captured step: refused by name after the capture), parameters
+without gradients, a second pipeline over the same tied weights; float64), runs it on gloo
 ranks and compares every call's loss, every parameter's gradient after the last call and the
 clipped norm with one process on the whole batch.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import pytest
 
@@ -37,6 +42,40 @@ EXAMPLES = int(os.environ.get("GRAPHPIPE_DIFFERENTIAL_EXAMPLES", "60"))
 RANDOM = os.environ.get("GRAPHPIPE_DIFFERENTIAL_RANDOM") == "1"
 SCHEDULES = ("dualpipev", "zbv", "1f1b", "csv")
 CLIPS = (None, (0.05, 2.0), (0.05, 1.0), (0.05, math.inf), (1e3, 2.0))
+MIX_CONSTANTS = (0.5, 1.0, 2.0)
+
+
+def draw_mix(draw: st.DrawFn, capture: Any, calls: int) -> tuple[tuple | None, bool, int]:
+    """Under capture, sometimes a ``PerMicrobatch`` keyword with a constant (``mix``: one
+    float per call): the same in every call, or (with ``recapture=True``) another one from
+    call 1 or 2 on (the capture call or a replay; the calls made enough for it). Drawn for
+    every case and applied under capture only: a draw made only under capture was rarely
+    varied by the derandomized examples. Returns ``(mix, recapture, calls)``."""
+    kind = draw(st.sampled_from((None, "same", "changes")))
+    first = draw(st.sampled_from(range(len(MIX_CONSTANTS))))
+    at = draw(st.integers(1, 2))
+    if not capture or kind is None:
+        return None, False, calls
+    if kind == "same":
+        return (MIX_CONSTANTS[first],) * calls, False, calls
+    calls = max(calls, at + 1)
+    then = MIX_CONSTANTS[(first + 1) % len(MIX_CONSTANTS)]
+    return tuple(MIX_CONSTANTS[first] if c < at else then for c in range(calls)), True, calls
+
+
+def draw_opt(draw: st.DrawFn, calls: int) -> tuple | None:
+    """``None`` (gradients accumulated over the calls), or SGD steps (``(lrs, weight
+    decay)``): one learning rate throughout, or another one from some call on (a captured
+    step whose rate changed after its capture is refused naming ``lr``)."""
+    kind = draw(st.sampled_from((None, "fixed", "changes")))
+    decay = draw(st.sampled_from((0.0, 0.1)))
+    at = draw(st.integers(1, 3))
+    if kind is None:
+        return None
+    if kind == "fixed" or calls < 2:
+        return (0.05,) * calls, decay
+    at = min(at, calls - 1)
+    return (0.05,) * at + (0.02,) * (calls - at), decay
 
 
 @st.composite
@@ -52,8 +91,18 @@ def cases(draw: st.DrawFn, ranks: tuple[int, ...] = (1, 2)) -> dict:
     if fsdp is None and (n > 1 or schedule != "1f1b"):
         ties += ["marked", "param"] if one_rank_tie else ["marked"]
     tied = draw(st.sampled_from(ties))
-    capture = draw(st.sampled_from((False, "step"))) if fsdp != "reshard" else False
+    # capture="action" and FSDP2 is refused (its collectives would run between the graphs)
+    modes = (False, "step", "action") if fsdp is None else (False, "step")
+    capture = draw(st.sampled_from(modes)) if fsdp != "reshard" else False
     calls = draw(st.integers(1, 3))
+    mix, recapture, calls = draw_mix(draw, capture, calls)
+    # Another batch signature in odd calls: each gets its own capture (recapture=True).
+    alternate = bool(capture) and mix is None and draw(st.booleans())
+    if alternate:
+        recapture, calls = True, draw(st.integers(4, 5))
+    opt = draw_opt(draw, calls)
+    unused = dp == 1 and draw(st.booleans())
+    twin = tied == "marked" and not capture and opt is None and calls > 1 and draw(st.booleans())
     padding = draw(st.sampled_from((None, "right", "left")))
     empty: tuple = ()
     if padding is not None:
@@ -70,10 +119,16 @@ def cases(draw: st.DrawFn, ranks: tuple[int, ...] = (1, 2)) -> dict:
         padding=padding,
         empty=empty,
         calls=calls,
-        no_sync=calls > 1 and not capture and draw(st.booleans()),
+        no_sync=calls > 1 and not capture and opt is None and draw(st.booleans()),
         capture=capture,
         clip=draw(st.sampled_from(CLIPS)),
         seed=draw(st.integers(0, 3)),
+        mix=mix,
+        recapture=recapture,
+        alternate=alternate,
+        opt=opt,
+        unused=unused,
+        twin=twin,
     )
     return case
 
@@ -101,6 +156,16 @@ def _events(case: dict) -> None:
     hypothesis.event(f"clip={case['clip'] and case['clip'][1]}")
     if case["empty"]:
         hypothesis.event("empty micro-batches")
+    mix = case.get("mix")
+    if mix:
+        changes = len(set(mix)) > 1
+        hypothesis.event(f"mix recapture={case['recapture']} changes={changes}")
+    for key in ("alternate", "unused", "twin"):
+        if case.get(key):
+            hypothesis.event(key)
+    if case.get("opt"):
+        lrs, decay = case["opt"]
+        hypothesis.event(f"opt lr changes={len(set(lrs)) > 1} decay={decay}")
 
 
 @_settings(EXAMPLES)
@@ -148,6 +213,45 @@ REGRESSIONS = {
     # Micro-batch 0 with no valid token, and a whole batch without one under "sum".
     "empty_microbatch_mean": dict(n=2, m=4, rows=8, padding="right", empty=(0,)),
     "empty_batch_sum": dict(n=2, m=4, rows=8, padding="left", empty=(0, 1, 2, 3), reduction="sum"),
+    # A PerMicrobatch constant (a float a function closes over) under capture: equal in
+    # every call (warmup, capture, replay), and changed at the capture call with
+    # recapture=True (captured anew, then replayed). Compared by name only, the capture
+    # call baked in the warmup's constant (issue 40, k04).
+    "per_microbatch_constant_replayed": dict(
+        n=2, m=4, rows=8, capture="step", calls=3, mix=(1.0,) * 3
+    ),
+    "per_microbatch_constant_recaptured": dict(
+        n=2, m=4, rows=8, capture="step", calls=4, mix=(1.0, 2.0, 2.0, 2.0), recapture=True
+    ),
+    # Per-action graphs under recapture with alternating signatures: each replay sends its
+    # own capture's tensors (issue 37, finding 1).
+    "action_recapture_alternating": dict(
+        n=2, m=4, rows=8, capture="action", calls=5, alternate=True, recapture=True
+    ),
+    # pipe.grad_norm under recapture: one tensor every capture writes (it was the newest
+    # capture's own, stale while another signature replayed).
+    "recapture_alternating_clip": dict(
+        n=1,
+        schedule="1f1b",
+        m=1,
+        rows=1,
+        capture="step",
+        calls=5,
+        alternate=True,
+        recapture=True,
+        clip=(0.05, 2.0),
+    ),
+    # The optimizer inside the captured step with a learning rate changed after the capture:
+    # refused naming lr at the first replay (finding 5); parameters without gradients keep
+    # them None and are not decayed (finding 6).
+    "capture_optimizer_lr_changes": dict(
+        n=2, m=4, rows=8, capture="step", calls=4, opt=((0.05, 0.05, 0.02, 0.02), 0.1), unused=True
+    ),
+    # Two pipelines over the same weights tied across ranks, a no_sync window on the first
+    # (issue 40, a07).
+    "two_pipelines_tied_no_sync": dict(
+        n=2, schedule="1f1b", m=4, rows=8, tied="marked", calls=2, no_sync=True, twin=True
+    ),
 }
 
 

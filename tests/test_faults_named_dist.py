@@ -262,3 +262,41 @@ def test_a_rank_that_builds_late_is_named_on_the_ranks_that_waited() -> None:
         "waiting for it); this rank (rank 1) came later"
     ), r1["error"]  # told at once: the mark rank 0 left, read when rank 1 joins
     assert torch.equal(r0["loss"], r1["loss"])
+
+
+# --------------------------------------------------------- a replica that does not come
+def _absent_replica_case(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphpipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    d, p = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    stages = build_stages(4)
+    pipe = graphpipe.DualPipeV(
+        (stages[p], stages[3 - p]),
+        num_microbatches=4,
+        loss_fn=mse,
+        group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        timeout=T,
+    )
+    store = _store()
+    out: dict = {"replica": d}
+    if d == 0:  # replica 1 never calls step: replica 0 waits in the replicas' agreement
+        out["error"], _ = _attempt(lambda: _step(pipe, p))
+        store.set(f"done/{rank}", "1")
+    else:
+        store.wait(["done/0", "done/1"])
+    return out
+
+
+def test_a_replica_that_never_enters_the_step_is_named_at_the_timeout() -> None:
+    results = run_ranks(_absent_replica_case, 4, timeout=120, pg_timeout=60)
+    for res in results[:2]:
+        assert res["error"].startswith("PipelineError: the step failed on rank ")
+        assert (
+            "at data-parallel agreement: a data-parallel replica did not come to the replicas' "
+            "agreement of step 1 within the 3 s timeout: it is not in the step"
+        ) in res["error"], res["error"]
+        assert "this rank had not started the call: its gradients are untouched" in res["error"]

@@ -136,6 +136,8 @@ def _refused(mesh, what: str) -> str:
     kw = dict(group=mesh.get_group("pp"))
     if what == "capture":
         kw |= dict(dp_group=mesh.get_group("dp"), capture=True)
+    if what == "action":  # per-action graphs: FSDP2's collectives would run between them
+        kw |= dict(dp_group=mesh.get_group("dp"), capture="action")
     try:
         graphpipe.DualPipeV(mine, num_microbatches=4, loss_fn=mse, **kw)
     except ValueError as e:
@@ -150,6 +152,7 @@ def _all(rank: int, world: int, cases: dict) -> dict:
     out = {name: _case(mesh, c) for name, c in cases.items()}
     out["no_dp"] = _refused(mesh, "no_dp")
     out["capture_reshard"] = _refused(mesh, "capture")
+    out["capture_action"] = _refused(mesh, "action")
     return out
 
 
@@ -267,3 +270,5 @@ def test_fsdp2_stages_need_their_dp_group_and_capture_needs_them_unsharded(resul
     for res in results:
         assert "pass dp_group=mesh.get_group('dp')" in res["no_dp"]
         assert "fully_shard(..., reshard_after_forward=False)" in res["capture_reshard"]
+        assert "capture='action' with FSDP2 modules" in res["capture_action"]
+        assert "use capture='step'" in res["capture_action"]

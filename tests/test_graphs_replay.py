@@ -1,4 +1,4 @@
-"""The replay side of the CUDA-graph layer, with stand-in graphs (runs without CUDA)."""
+"""The graph layer's replay and the driver's order of steps, with stand-in graphs."""
 
 from __future__ import annotations
 
@@ -105,7 +105,6 @@ def _order_of_calls(rank: int, world: int, staged: bool) -> list[list[str]]:
     )
     pipe.engine.staged = staged  # NCCL's first step (handshake over the control group), on gloo
     driver, loop = pipe._capture, pipe._loop
-    driver.graphs = True  # as on CUDA: capture, then replay
     log: list[str] = []
     train, static = loop.train, loop.static
 
@@ -123,10 +122,9 @@ def _order_of_calls(rank: int, world: int, staged: bool) -> list[list[str]]:
         def reset(self) -> None:
             pass
 
-    def capture():
+    def capture(cap):  # captures and runs the step once
         log.append("capture")
-        driver._static_grads = []
-        return Graphs()
+        cap.graphs = Graphs()
 
     loop.train, loop.static = logged("eager step", train), logged("eager static step", static)
     driver._capture_graphs = capture
@@ -148,9 +146,9 @@ def test_with_nccl_every_communicator_carries_one_real_eager_step_before_the_cap
         assert steps == [
             ["eager step"],  # records the metadata (the handshake over the control group)
             ["eager static step"],  # the real transfers on every rank pair, not captured
-            ["capture", "replay"],
+            ["capture"],  # the capture runs the step
             ["replay"],
         ]
     plain = run_ranks(_order_of_calls, 2, False)  # gloo P2P, or one rank: capture at once
     for steps in plain:
-        assert steps == [["eager step"], ["capture", "replay"], ["replay"], ["replay"]]
+        assert steps == [["eager step"], ["capture"], ["replay"], ["replay"]]

@@ -179,7 +179,10 @@ def test_hf_llama_on_two_ranks_has_the_unsplit_models_loss_and_gradients() -> No
             res = results[rank][i]
             # every projection defers its weight gradient (q, k, v, o, gate, up, down; head)
             assert all(k >= 7 for k in res["deferrable"]), (case, res["deferrable"])
-            runs = case["m"] * case.get("steps", 1) * (2 if case.get("ckpt") else 1)
+            # the layers' Python runs in the eager steps; with capture, in the warmup and the
+            # capture only (later steps replay the graph)
+            steps = min(case.get("steps", 1), 2) if case.get("capture") else case.get("steps", 1)
+            runs = case["m"] * steps * (2 if case.get("ckpt") else 1)
             assert res["layer_calls"] == runs, case
             for got in res["losses"]:
                 torch.testing.assert_close(got.float(), loss, **LOSS_TOL, msg=str(case))

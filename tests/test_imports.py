@@ -235,6 +235,20 @@ TORCH_PRIVATES = {
     "_get_default_store": "the job's c10d store (runtime/groups.py)",
     "_per_optimizer_states": "GradScaler's found-inf tensors (Pipeline.unscale_)",
     "_execution_engine": "autograd's engine without Python-side checks (runtime/stage.py)",
+    # The CPU graph (runtime/capture/cpu_graph.py) records and replays below torch's Python
+    # API, at the dispatcher, as torch's own dispatch modes do:
+    "_C": "torch._C._AutoDispatchBelowADInplaceOrView: a replay runs below autograd",
+    "_AutoDispatchBelowADInplaceOrView": "the replay's dispatch keys (cpu_graph.py)",
+    "_op": "an OpOverload's C++ callable: what a replay node calls (cpu_graph.py)",
+    "_schema": "an operation's schema: its out= form, what it writes (cpu_graph.py)",
+    "_overloadname": "an operation's overload name (cpu_graph.py)",
+    "_cdata": "a storage's identity: which works a later operation must wait for",
+    "_storage_Use_Count": "who holds a storage: the CPU graph reuses only its own",
+    "_local_scalar_dense": "the aten operation of .item(): a host sync (cpu_graph.py)",
+    "_c10d_functional": "the functional collectives' namespace (cpu_graph.py)",
+    "_ops": "torch._ops.HigherOrderOperator: flex_attention's dense kernel is recorded",
+    "_set_default_backend": "a ProcessGroup over a gloo backend (runtime/groups.py)",
+    "_register_backend": "a ProcessGroup over a gloo backend (runtime/groups.py)",
 }
 
 

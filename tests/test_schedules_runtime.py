@@ -38,7 +38,15 @@ def _num_stages(schedule: str, n: int) -> int:
     return 2 * n if schedule in ("dualpipev", "zbv", "csv") else n
 
 
-def _case(rank: int, world: int, schedule: str, m: int, rows: int, capture: bool) -> dict:
+def _case(
+    rank: int,
+    world: int,
+    schedule: str,
+    m: int,
+    rows: int,
+    capture: bool,
+    receives: str | None = None,
+) -> dict:
     import graphpipe
     from graphpipe.ir import parse_csv
 
@@ -47,7 +55,12 @@ def _case(rank: int, world: int, schedule: str, m: int, rows: int, capture: bool
     mine = [stages[s] for s in ids]
     spec = parse_csv(_gpipe_loop_csv(world, m)) if schedule == "csv" else schedule
     pipe = graphpipe.Pipeline(
-        mine, schedule=spec, num_microbatches=m, loss_fn=mse, capture="step" if capture else False
+        mine,
+        schedule=spec,
+        num_microbatches=m,
+        loss_fn=mse,
+        capture="step" if capture else False,
+        receives=receives,
     )
     losses = []
     for step in range(3):
@@ -73,8 +86,31 @@ def _case(rank: int, world: int, schedule: str, m: int, rows: int, capture: bool
 )
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
 def test_schedule_matches_the_single_process_reference(schedule, world, m, capture) -> None:
+    _check_against_the_reference(schedule, world, m, capture, None)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "world", "m", "capture"),
+    [
+        ("zbv", 2, 4, False),
+        ("zbv", 3, 6, False),
+        ("zbv", 4, 8, False),
+        ("dualpipev", 3, 6, False),
+        ("dualpipev", 4, 8, False),
+        ("zbv", 3, 7, True),
+    ],
+)
+def test_plain_receives_run_every_v_schedule_like_the_reference(schedule, world, m, capture):
+    # Issue 40 (c05, c06): refused at construction with an internal lowering message; the
+    # plain rule now posts a rank pair's receives in its send order (lower.in_send_order).
+    _check_against_the_reference(schedule, world, m, capture, "plain")
+
+
+def _check_against_the_reference(
+    schedule: str, world: int, m: int, capture: bool, receives: str | None
+) -> None:
     rows = 2 * m
-    results = run_ranks(_case, world, schedule, m, rows, capture)
+    results = run_ranks(_case, world, schedule, m, rows, capture, receives)
     stages = build_stages(_num_stages(schedule, world))
     x, y = batch(rows, seed=7)  # the last of the three steps
     # gradients accumulate over the three steps only if not zeroed: each step zeroes them

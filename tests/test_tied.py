@@ -4,6 +4,8 @@ where the weight is one Parameter."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -84,3 +86,91 @@ def test_a_weight_tied_across_ranks_trains_as_one_weight(case: dict) -> None:
 def test_tie_names_must_be_names() -> None:
     with pytest.raises(ValueError, match="a tie name must be a non-empty str, got ''"):
         graphpipe.mark_tied(torch.nn.Parameter(torch.zeros(1)), "")
+
+
+# ------------------------------------------- two pipelines over the same tied weights
+def _two_pipelines(rank: int, world: int, m: int, calls: list[tuple[str, bool]]) -> dict:
+    stages = build_stages(world)
+    mine = stages[rank]
+    graphpipe.mark_tied(mine.fc1.weight, "fc1")
+    pipes = {
+        name: graphpipe.Pipeline([mine], schedule="1f1b", num_microbatches=m, loss_fn=mse)
+        for name in ("A", "B")
+    }
+    mine.zero_grad(set_to_none=False)
+    for c, (name, inside) in enumerate(calls):
+        x, y = batch(8, seed=10 + c)
+        args = (x if rank == 0 else None, y if rank == world - 1 else None)
+        pipe = pipes[name]
+        with pipe.no_sync() if inside else contextlib.nullcontext():
+            pipe.step(*args)
+    return {(rank, n): p.grad.clone() for n, p in mine.named_parameters()}
+
+
+CALLS = {
+    "A no_sync, B": [("A", True), ("B", False)],
+    "A no_sync, B no_sync, A": [("A", True), ("B", True), ("A", False)],
+    "A, B no_sync, A": [("A", False), ("B", True), ("A", False)],
+    "A no_sync, B, A no_sync, A": [("A", True), ("B", False), ("A", True), ("A", False)],
+}
+
+
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("calls", list(CALLS), ids=list(CALLS))
+def test_no_sync_windows_of_two_pipelines_over_the_same_tied_weights_are_one(
+    calls: str, m: int
+) -> None:
+    # The window of unreduced gradients belongs to the parameters, not to the pipeline that
+    # opened it: a reducing call of another pipeline over the same weights reduces what the
+    # window accumulated (it once divided it as an earlier call's reduced sum: 33% off).
+    results = run_ranks(_two_pipelines, 2, m, CALLS[calls])
+    stages = build_stages(2, tied=True)
+    for c in range(len(CALLS[calls])):
+        x, y = batch(8, seed=10 + c)
+        _, grads, _ = reference(stages, x, y)  # accumulates, as the calls do
+    for res in results:
+        for key, g in res.items():
+            torch.testing.assert_close(g, grads[key], rtol=RTOL, atol=ATOL, msg=str(key))
+
+
+def _captured_beside_a_window(rank: int, world: int) -> dict:
+    stages = build_stages(world)
+    mine = stages[rank]
+    graphpipe.mark_tied(mine.fc1.weight, "fc1")
+    eager, captured = (
+        graphpipe.Pipeline(
+            [mine], schedule="1f1b", num_microbatches=2, loss_fn=mse, capture=capture
+        )
+        for capture in (False, "step")
+    )
+    mine.zero_grad(set_to_none=False)
+
+    def step(pipe, c: int):
+        x, y = batch(8, seed=10 + c)
+        return pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+
+    with eager.no_sync():
+        step(eager, 0)
+    try:  # its replay would divide the window's unreduced sum
+        step(captured, 1)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    step(eager, 1)  # the window's reducing step
+    grads = {(rank, n): p.grad.clone() for n, p in mine.named_parameters()}
+    step(captured, 2)  # no window now: it runs
+    return {"refused": refused, "grads": grads}
+
+
+def test_a_captured_step_is_refused_while_another_pipelines_window_holds_its_weights():
+    results = run_ranks(_captured_beside_a_window, 2)
+    stages = build_stages(2, tied=True)
+    for c in range(2):
+        x, y = batch(8, seed=10 + c)
+        _, grads, _ = reference(stages, x, y)
+    for res in results:
+        assert res["refused"].startswith(
+            "a no_sync() window of another pipeline holds this captured pipeline's parameters"
+        ), res["refused"]
+        for key, g in res["grads"].items():
+            torch.testing.assert_close(g, grads[key], rtol=RTOL, atol=ATOL, msg=str(key))

@@ -12,7 +12,12 @@ every keyword tensor (and the labels) must have the inputs' rows, since all are 
 the same micro-batches. A bad batch so raises on every rank, and no rank
 waits for a peer that gave up or called something else; only when the keyword digests differ
 do the ranks exchange their descriptions (through the store) to name the rank and keyword.
-May touch: the control group, the store on that error; nothing else.
+With data parallelism over several replicas, every training step's agreement then goes on to
+the replicas' (``DataParallel.agree``, one all-reduce over them), whatever the pipeline's
+found: a replica inside ``no_sync`` while another is not, or a replica that refused the
+step, raises ``PipelineError`` on every rank of every replica, before any reduction.
+May touch: the control group, the store on that error, the replicas' agreement through the
+callable it is given; nothing else.
 
 ``BatchSignature`` is what was agreed: per tensor of the inputs, the labels (training only)
 and the keyword tensors its ``(dtype code, *shape)``. In the agreement buffer the inputs and
@@ -193,6 +198,11 @@ class BatchAgreement:
     input_rank / loss_rank: who holds the inputs and the labels.
     input_dtype: the floating dtype stage 0 computes in (its first floating parameter's), or
         None; floating inputs of another dtype are refused unless autocast is on.
+    replicas: with data parallelism over several replicas, their agreement
+        (``DataParallel.agree``): ``replicas(unsynced, refused)`` gives every replica's
+        ``no_sync`` and refusal flags; called in every training step after the pipeline's.
+    refuse: a check of the pipeline's own that may refuse a training step on this rank
+        (``ValueError``, as a rejected batch: ``GradSync.check_captured``).
     """
 
     def __init__(
@@ -204,11 +214,15 @@ class BatchAgreement:
         loss_rank: int,
         num_microbatches: int,
         input_dtype: torch.dtype | None,
+        replicas: Callable[[bool, bool], tuple[list[bool], list[bool]]] | None = None,
+        refuse: Callable[[], None] | None = None,
     ) -> None:
         self.groups, self.rank, self.num_ranks = groups, rank, num_ranks
         self.input_rank, self.loss_rank = input_rank, loss_rank
         self.m = num_microbatches
         self.input_dtype = input_dtype
+        self.replicas = replicas
+        self.refuse = refuse
         self._flags = 2 * _PART + 1
 
     def _check_dtype(self, inputs: Any, device_type: str) -> None:
@@ -233,6 +247,7 @@ class BatchAgreement:
         accepts: Callable[[tuple[str, ...]], int] | None = None,
         sync: bool = True,
         check_labels: Callable[[Any, tuple[str, ...]], None] | None = None,
+        rejected: Exception | None = None,
     ) -> tuple[BatchSignature, torch.dtype]:
         """The agreed signature and loss dtype of call number ``call`` (``step`` when
         ``train``, else ``forward``); raises on every rank if a rank rejects the batch, the
@@ -249,6 +264,9 @@ class BatchAgreement:
             as ``graphpipe.models.causal_lm_loss`` has: a micro-batch without a valid token
             under ``"mean"``).
 
+        rejected: what this rank refused before looking at the batch (``step()``'s own
+            argument checks): raised here as this rank's rejection, so that every rank raises.
+
         A rank that rejects the batch publishes its error's first line in the store, so that
         every rank's error names it.
         """
@@ -259,6 +277,10 @@ class BatchAgreement:
         err: Exception | None = None
         kw: KwSig = ()
         try:
+            if rejected is not None:
+                raise rejected
+            if train and self.refuse is not None:
+                self.refuse()
             if self.rank == self.input_rank:
                 sig = _part("inputs", inputs, self.m)
                 self._check_dtype(inputs, device_type)
@@ -278,7 +300,9 @@ class BatchAgreement:
                 vals[f + 3 * n + self.rank] = _digest(kw, structure_digest(kwargs))
                 if accepts is not None:
                     vals[f + 4 * n + self.rank] = accepts(tuple(name for name, _ in kw))
-        except (ValueError, TypeError) as e:
+        except Exception as e:
+            if e is not rejected and not isinstance(e, (ValueError, TypeError)):
+                raise
             err = e
             vals[f + self.rank] = 1
             self._publish_rejection(call, e)
@@ -295,6 +319,40 @@ class BatchAgreement:
             except RuntimeError as e:
                 raise CommFailure(None, "batch agreement", e.with_traceback(None)) from None
             vals = buf.tolist()
+        # With data parallelism every replica's ranks go on to the replicas' agreement
+        # whatever this pipeline's found (a replica that stayed away would leave the others
+        # waiting there): this pipeline's refusal is raised after it.
+        refusal: Exception | None = None
+        try:
+            agreed = self._verdict(vals, err, kw, kwargs, train, loss_dtype, call)
+        except Exception as e:
+            refusal = e
+        stepping = any(k == 1 for k in vals[f + n : f + 2 * n])  # some rank is in step()
+        if stepping and self.replicas is not None:
+            unsynced, refused = self.replicas(train and not sync, refusal is not None)
+            if refusal is None:
+                _check_replicas(unsynced, refused)
+        if refusal is not None:
+            try:
+                raise refusal
+            finally:  # this frame is in refusal's traceback: holding it would be a cycle
+                del refusal
+        return agreed
+
+    def _verdict(
+        self,
+        vals: list[int],
+        err: Exception | None,
+        kw: KwSig,
+        kwargs: Mapping[str, Any],
+        train: bool,
+        loss_dtype: torch.dtype,
+        call: int,
+    ) -> tuple[BatchSignature, torch.dtype]:
+        """What the pipeline ranks' agreed words say (every rank reads the same): the
+        signature and loss dtype, or the error every rank raises (``err``: this rank's own
+        rejection)."""
+        n, f = self.num_ranks, self._flags
         kinds, calls = vals[f + n : f + 2 * n], vals[f + 2 * n : f + 3 * n]
         if len(set(kinds)) > 1 or len(set(calls)) > 1:
             what = {1: "step()", 2: "forward()"}
@@ -406,6 +464,25 @@ class BatchAgreement:
         return (
             f"the pipeline ranks passed different keyword tensors: rank {first} has "
             f"{of(other)}, rank 0 has {of(ref)} (every rank passes the same keyword tensors)"
+        )
+
+
+def _check_replicas(unsynced: Sequence[bool], refused: Sequence[bool]) -> None:
+    """``PipelineError`` on every rank when the data-parallel replicas (their flags, by
+    replica) disagree on ``no_sync`` or one of them refused the step."""
+    if any(refused):
+        which = [d for d, r in enumerate(refused) if r]
+        raise PipelineError(
+            f"data-parallel replica(s) {which} refused this step (their ranks raise why); "
+            "no rank ran the step"
+        )
+    if len(set(unsynced)) > 1:
+        inside = [d for d, u in enumerate(unsynced) if u]
+        outside = [d for d, u in enumerate(unsynced) if not u]
+        raise PipelineError(
+            f"the data-parallel replicas disagree on no_sync(): replica(s) {inside} called "
+            f"step() inside no_sync() and replica(s) {outside} outside it; every replica must "
+            "skip (or run) the gradient reductions together (no rank ran the step)"
         )
 
 

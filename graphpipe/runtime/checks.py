@@ -9,6 +9,9 @@ Owns: nothing (pure functions). May touch: the arguments it checks, read-only.
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +27,7 @@ __all__ = [
     "CAPTURE_MODES",
     "LOSS_REDUCTIONS",
     "check_arguments",
+    "check_capture",
     "check_capture_optimizer",
     "check_disjoint_groups",
     "check_expert_groups",
@@ -94,11 +98,71 @@ def check_capture_optimizer(
         return
     if capture is False:
         raise ValueError("capture_optimizer needs capture=True, 'step' or 'action'")
-    if device.type == "cuda" and optimizer.defaults.get("capturable") is False:
+    name = type(optimizer).__name__
+    if optimizer.defaults.get("capturable") is False:
+        if device.type == "cuda":
+            raise ValueError(
+                f"capture_optimizer {name} must be created with capturable=True to run "
+                "inside a CUDA graph"
+            )
         raise ValueError(
-            f"capture_optimizer {type(optimizer).__name__} must be created with "
-            "capturable=True to run inside a CUDA graph"
+            f"capture_optimizer {name} reads its step count on the host (.item()) unless "
+            "capturable=True, which torch supports on CUDA only: a graph on the CPU cannot "
+            "hold its step. Pass an optimizer whose step stays on tensors (torch.optim.SGD), "
+            "or call its step() after pipe.step() (capture_optimizer=None)"
         )
+
+
+def check_capture(
+    mode: str | None,
+    device: torch.device,
+    nccl: bool,
+    num_ranks: int,
+    receives: str,
+    modules: Sequence[nn.Module],
+) -> None:
+    """What a capture of ``mode`` cannot hold on this device and backend: ``ValueError``
+    naming it (a compiled stage on CPU: a warning)."""
+    if mode is None:
+        return
+    if device.type == "cuda" and num_ranks > 1 and not nccl:
+        raise ValueError(
+            f"capture={mode!r} on CUDA over a gloo pipeline group: a CUDA graph cannot hold "
+            "gloo's operations; build the pipeline's group with the nccl backend"
+        )
+    if nccl and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0":
+        raise ValueError(
+            f"capture={mode!r} with NCCL_GRAPH_MIXING_SUPPORT=0: the captured step uses the "
+            "same communicators as eager operations (the first steps, forward(); with "
+            "capture='action' the P2P between the graphs), which NCCL then does not support; "
+            "unset it (NCCL's default is 1)"
+        )
+    if mode == "action" and nccl and receives != "timed":
+        raise ValueError(
+            f"capture='action' on NCCL with receives={receives!r}: the receives would stay "
+            "posted across the per-action graphs, each rank capturing while its peers' "
+            "transfers are in flight; pass receives='timed' (NCCL's default), or "
+            "capture='step'"
+        )
+    if device.type == "cpu":
+        dynamo = sys.modules.get("torch._dynamo.eval_frame")
+        compiled = getattr(dynamo, "OptimizedModule", None)
+        found = [
+            type(getattr(m, "_orig_mod", m)).__name__
+            for stage in modules
+            for m in stage.modules()
+            if compiled is not None and isinstance(m, compiled)
+        ]
+        if found:
+            warnings.warn(
+                f"graphpipe: capture={mode!r} on CPU with torch.compile'd modules "
+                f"({', '.join(sorted(set(found)))}): the CPU graph records operations at "
+                "torch's dispatcher, which compiled code does not run through, so they run "
+                "uncompiled inside the captured step (the same values up to rounding); on "
+                "CUDA the graph captures the compiled kernels",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def seconds(timeout: float | datetime.timedelta) -> float:

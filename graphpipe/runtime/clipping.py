@@ -137,19 +137,31 @@ class GradClipper:
         return shares
 
     def in_step(
-        self, max_norm: float, norm_type: float, grad_sync: GradSync | None = None
+        self,
+        max_norm: float,
+        norm_type: float,
+        grad_sync: GradSync | None = None,
+        captured: bool = False,
     ) -> StepHooks:
         """The hooks that make every run of the training program end with ``clip`` (installed
         after the data-parallel reductions, when there are any): a trailing instruction in a
         ``clip_grad_norm`` range. The norm of the last step is ``norm``. Inside
         ``no_sync`` (``grad_sync.sync`` false) nothing is clipped: the gradients are this
-        rank's partial sums; the step that reduces them clips the accumulated total."""
+        rank's partial sums; the step that reduces them clips the accumulated total.
+        ``captured``: the step is captured, and ``norm`` is one tensor that every step
+        (every capture's replays) writes: an assignment would be baked into the capture
+        that made it."""
         max_norm, norm_type = check_clip_args(max_norm, norm_type)
         sync = grad_sync if grad_sync is not None else GradSync()
 
         def clip() -> None:
-            if sync.sync:
-                self.norm = self.clip(max_norm, norm_type)
+            if not sync.sync:
+                return
+            norm = self.clip(max_norm, norm_type)
+            if captured and self.norm is not None and self.norm.dtype == norm.dtype:
+                self.norm.copy_(norm)
+            else:
+                self.norm = norm
 
         return StepHooks(trailing=(Trailing(handler=clip, name="clip_grad_norm"),))
 

@@ -134,8 +134,9 @@ class SendTransfer(_Transfer):
     """This rank's sending end of a transfer.
 
     static: the active plan's packet buffer.
-    recorded: what it sent while per-action graphs were captured; replays send these (the
-        graphs rewrite them in place).
+    recorded: the tensors ``CommEngine.prepare_send`` made ready for the next post (with
+        ``capture="action"`` inside a graph, so that each replay rewrites them in place); the
+        capture driver keeps them per capture and binds them back with ``bind``.
     """
 
     __slots__ = ("recorded", "static")
@@ -147,6 +148,11 @@ class SendTransfer(_Transfer):
 
     def post(self) -> None:
         self.engine.post_send(self)
+
+    def bind(self, static: Any, recorded: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Use the active plan's packet buffer ``static`` (None: allocate per step) and the
+        prepared tensors ``recorded`` of that capture."""
+        self.static, self.recorded = static, recorded
 
 
 class RecvTransfer(_Transfer):
@@ -207,9 +213,9 @@ class CommEngine:
         self._metas: dict[Channel, tuple[TensorMeta, ...]] = {}
         self.epoch = 0  # bumped whenever the metadata may have changed (see _Transfer._derived)
         self.handshake = False
-        # Per-action CUDA graphs: the capture pass records what each send sends, replays send
-        # the recorded tensors (see capture/graphs.py); set by ``begin``'s ``sends``.
-        self.record_sends = self.replay_sends = False
+        # Per-action graphs: each send's tensors are made ready inside a graph
+        # (``prepare_send``) and the eager post only issues them; set by ``begin``'s ``sends``.
+        self.prepared_sends = False
         self.in_flight: list[tuple[list, Tensors, int]] = []  # (works, tensors, peer rank)
         self._unresolved: dict[tuple[int, int], deque[RecvTransfer]] = {}
 
@@ -230,13 +236,12 @@ class CommEngine:
     # ------------------------------------------------------------- steps
     def begin(self, handshake: bool, sends: str | None = None) -> None:
         """Start a step. ``handshake``: its first step of a batch signature (headers
-        travel first). ``sends``: ``"record"`` while per-action CUDA graphs are captured
-        (each send's tensors are kept), ``"replay"`` while they replay (the kept tensors
-        are sent), None otherwise."""
-        if sends not in (None, "record", "replay"):
-            raise ValueError(f"sends must be None, 'record' or 'replay', got {sends!r}")
+        travel first). ``sends``: ``"prepared"`` while per-action graphs are captured or
+        replayed (a post sends what ``prepare_send`` made ready), None otherwise."""
+        if sends not in (None, "prepared"):
+            raise ValueError(f"sends must be None or 'prepared', got {sends!r}")
         self.handshake = handshake
-        self.record_sends, self.replay_sends = sends == "record", sends == "replay"
+        self.prepared_sends = sends == "prepared"
         if handshake:  # it writes new metadata as it goes
             self.epoch += 1
 
@@ -265,10 +270,13 @@ class CommEngine:
 
     # ------------------------------------------------------------- issue
     def _issue(self, t: _Transfer, tensors: Sequence, send: bool) -> list:
-        """Post ``tensors`` to (or from) ``t``'s peer as one group of ops; returns the works."""
+        """Post ``tensors`` to (or from) ``t``'s peer as one group of ops; returns the works.
+        On NCCL always as a batch (``batch_isend_irecv``), one tensor too: torch runs a lone
+        send and a batch on different communicators of a pair (pytorch#160342), and the
+        warm-up (``warm``) warms the batch's."""
         try:
             group, peer = self.groups.p2p[t.edge]
-            if self.groups.nccl and len(tensors) > 1:
+            if self.groups.nccl:
                 fn = dist.isend if send else dist.irecv
                 return dist.batch_isend_irecv(
                     [dist.P2POp(fn, x, t.peer_global, group, DATA_TAG) for x in tensors]
@@ -279,16 +287,25 @@ class CommEngine:
             raise _posting_failed(t, e) from None
 
     def post_send(self, t: SendTransfer) -> None:
-        runner = self.runner
-        tensors: list[torch.Tensor] = []
         if self.handshake:
             self._handshake_send(t)
             return
-        if self.replay_sends:
+        if self.prepared_sends:
             sent = t.recorded
-            self.in_flight.append((self._issue(t, sent, True), sent, t.peer_rank))
-            return
-        metas = self.metas
+            if sent is None:
+                raise RuntimeError(f"post {t.name}: its tensors were never prepared")
+        else:
+            self.prepare_send(t)
+            sent, t.recorded = t.recorded, None  # kept by in_flight until the wait
+        self.in_flight.append((self._issue(t, sent, True), sent, t.peer_rank))
+
+    def prepare_send(self, t: SendTransfer) -> None:
+        """Take the messages of ``t`` from the runner (checked against the channels'
+        metadata) into ``t.recorded``: the tensors to send, one flat packet where they pack
+        (into the plan's buffer when one is bound). Device work only: with
+        ``capture="action"`` it runs inside a graph."""
+        runner, metas = self.runner, self.metas
+        tensors: list[torch.Tensor] = []
         for m in t.msgs:
             msg = runner.take_activation(m.li, m.mb) if m.forward else runner.take_grad(m.li, m.mb)
             what = "activation" if m.forward else "gradient"
@@ -299,9 +316,7 @@ class CommEngine:
             parts = [x.reshape(-1) for x in tensors]
             flat = torch.cat(parts) if flat is None else torch.cat(parts, out=flat)
             tensors = [flat]
-        if self.record_sends:
-            t.recorded = tuple(tensors)
-        self.in_flight.append((self._issue(t, tensors, True), tuple(tensors), t.peer_rank))
+        t.recorded = tuple(tensors)
 
     def post_recv(self, t: RecvTransfer) -> None:
         runner = self.runner
@@ -424,11 +439,18 @@ class CommEngine:
 
     def warm(self) -> None:
         """One exchange on every rank pair, all at once: after a handshake over the control
-        group (NCCL), initializes each communicator's P2P paths before any capture. Every
-        rank walks the pairs in the same order."""
+        group (NCCL), initializes each communicator's P2P paths before any capture, through
+        the path the step's transfers take (``batch_isend_irecv``). Every rank walks the
+        pairs in the same order."""
         works = []
-        for (src, _), (group, peer) in sorted(self.groups.p2p.items()):
+        groups = self.groups
+        for (src, dst), (group, peer) in sorted(groups.p2p.items()):
             x = torch.zeros(1, device=self.device)
-            call = group.send if self.rank == src else group.recv
-            works.append(call([x], peer, DATA_TAG))
+            send = self.rank == src
+            if groups.nccl:
+                fn = dist.isend if send else dist.irecv
+                peer_global = groups.global_ranks[dst if send else src]
+                works += dist.batch_isend_irecv([dist.P2POp(fn, x, peer_global, group, DATA_TAG)])
+            else:
+                works.append((group.send if send else group.recv)([x], peer, DATA_TAG))
         _wait_all(works, None, "warm-up of the P2P groups")

@@ -31,9 +31,16 @@ with an anonymous transport error. The protocol:
    ``store``): ``PipelineError`` naming the store's host, then ``PipelineClosed`` on every
    later call (nothing can be agreed on without it).
 
-Owns: the notices and the lost / closed marks in the store. May touch: the pipeline's
-process groups (dropped on a failure, rebuilt at the next call; the control group for
-``control``), this process's status.
+The store's host (global rank 0 of an ``env://`` job) that fails holds the store at exit
+until its peers have read why (``lifetime.hold_store``): after a failed step, the readers of
+its notice (``FaultNotices.mark_read``); after a construction that failed at or before a
+join, the members of that join, each counting itself told (``construction_told``,
+``hold_construction``). A replicas' agreement (``REPLICA_AGREEMENT``, ``data_parallel``) that
+times out blames the replica that did not come, not a pipeline peer.
+
+Owns: the notices, the lost / closed marks and the construction counts in the store. May
+touch: the pipeline's process groups (dropped on a failure, rebuilt at the next call; the
+control group for ``control``), this process's status.
 """
 
 from __future__ import annotations
@@ -52,15 +59,21 @@ from .status import Blocked, ProcessStatus
 from .store import JobStore, StoreLost, first_line
 
 __all__ = [
+    "AGREEMENT",
+    "REPLICA_AGREEMENT",
     "CommFailure",
     "FaultNotices",
     "Faults",
     "PipelineClosed",
     "add_note",
     "as_comm_failure",
+    "construction_told",
+    "hold_construction",
+    "hold_seconds",
 ]
 
 AGREEMENT = "batch agreement"  # the collective at the start of every call (``batch``)
+REPLICA_AGREEMENT = "data-parallel agreement"  # the replicas' part of it (``data_parallel``)
 
 _UNTOUCHED = "this rank had not started the call: its gradients are untouched"
 _GRADS = (
@@ -114,6 +127,37 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
     else:  # pragma: no cover - Python 3.10
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
+def hold_seconds(timeout_s: float | None) -> float:
+    """How long the store's host waits at exit for its peers to read why it failed: the
+    pipeline's timeout (as long as a peer may take to come), at most ``lifetime.HOLD_S``."""
+    return min(timeout_s, HOLD_S) if timeout_s is not None else HOLD_S
+
+
+def _told_key(key: str) -> str:
+    return f"{key}/told"
+
+
+def construction_told(store: JobStore, key: str) -> None:
+    """This rank's construction failed and it knows why (its own error, or the one the join
+    ``key`` gave it): counted for the store's host, which may wait at exit for it
+    (``hold_construction``). Nothing when the store is gone."""
+    with contextlib.suppress(StoreLost):
+        store.add(_told_key(key), 1)
+
+
+def hold_construction(store: JobStore, key: str, members: int, seconds: float) -> None:
+    """This process serves the job's store and its construction failed at or before the join
+    ``key`` of ``members`` ranks (it gave up on a late member, or refused before joining, or
+    was refused): its exit waits until every member has learned why
+    (``construction_told``, this rank's own count included), at most ``seconds``."""
+    hold_store(
+        lambda: store.add(_told_key(key), 0),
+        members,
+        seconds,
+        "why its pipeline construction failed",
+    )
 
 
 class FaultNotices:
@@ -219,7 +263,7 @@ class FaultNotices:
         """The message of the ``PipelineError`` a rank raises for a failure ``notice``."""
         at = f" at {action}" if action else ""
         here = "" if notice.startswith(f"rank {me}{at}: ") else f" (this rank: rank {me}{at})"
-        after = _UNTOUCHED if action == AGREEMENT else _GRADS
+        after = _UNTOUCHED if action in (AGREEMENT, REPLICA_AGREEMENT) else _GRADS
         return f"the step failed on {notice}{here}; {after}"
 
 
@@ -249,12 +293,8 @@ class Faults:
         self.timeout_s = timeout.total_seconds() if timeout is not None else None
         # This process serves the job's store (global rank 0 of an env:// or tcp:// job):
         # when it fails, its exit waits for the peers to read its notice (at most hold_s).
-        self.hosts_store = (
-            store is not None
-            and store.host.startswith("global rank 0")
-            and (self.global_ranks[rank] == 0)
-        )
-        self.hold_s = min(self.timeout_s, HOLD_S) if self.timeout_s is not None else HOLD_S
+        self.hosts_store = store is not None and store.hosted_here(self.global_ranks[rank])
+        self.hold_s = hold_seconds(self.timeout_s)
         groups.report_blocks_to(self.blocked)
 
     def doing(self, what: str) -> None:
@@ -363,7 +403,13 @@ class Faults:
         try:
             self.notices.publish(self.call, self.action, exc)
             if self.hosts_store:  # its exit waits (bounded) until the peers have read it
-                hold_store(self.notices, self.call, len(self.global_ranks) - 1, self.hold_s)
+                notices, call = self.notices, self.call
+                hold_store(
+                    lambda: notices.readers(call),
+                    len(self.global_ranks) - 1,
+                    self.hold_s,
+                    f"its failure notice of {self.kind} {call}",
+                )
             if self.replicas is not None:  # the pipeline's first notice (maybe another rank's)
                 first = self.notices.read(self.call) or self.notices.text(self.action, exc)
                 self.tell_replicas(first)
@@ -454,6 +500,14 @@ class Faults:
         if not _timed_out(failure.cause):
             return base, None  # a collective whose connection closed: which peer, unknown
         here = f"{self.kind} {self.call}"
+        if failure.what == REPLICA_AGREEMENT:  # the one to blame is in another replica
+            return (
+                f"a data-parallel replica did not come to the replicas' agreement of {here} "
+                f"within {self._wait_text()}: it is not in the step (idle, in another call, "
+                f"or gone); every replica must call step() together (rank {self.rank} waited "
+                f"in '{failure.what}')",
+                None,
+            )
         agreement = failure.what == AGREEMENT  # the peers may not be in this call at all
         absent, silent = [], []
         for p in range(len(self.global_ranks)):

@@ -26,7 +26,8 @@ adds. So, per training step (torch's recipe for pipelines, the one ``PipelineSta
 * **Inference** (``pipe.forward``) resharding is FSDP's own, and the modules are resharded
   at the end of the call.
 * **Capture** needs ``reshard_after_forward=False`` (gathering and freeing around every
-  micro-batch inside a captured step is refused): a ``ValueError`` says so.
+  micro-batch inside a captured step is refused) and ``capture="step"`` (per-action graphs
+  would have FSDP2's collectives and frees run between them): a ``ValueError`` says so.
 
 torch offers no public call for "reduce-scatter the accumulated gradients now", so this part
 reaches into FSDP2's state the way ``torch.distributed.pipelining`` does
@@ -209,6 +210,14 @@ def check_fsdp(modules: Sequence[nn.Module], capture: str | None, dp_group: Any)
             f"the stages hold FSDP2 modules ({type(mods[0]).__name__}): pass "
             "dp_group=mesh.get_group('dp'), the group they are sharded over, so that the "
             "loss is the mean over the replicas"
+        )
+    if capture == "action":
+        raise ValueError(
+            f"capture='action' with FSDP2 modules ({type(mods[0]).__name__}): FSDP2's "
+            "all-gathers and reduce-scatters would run between the per-action graphs, "
+            "freeing and re-allocating the parameters the graphs read, and a graph's "
+            "pre-forward would wait on an all-gather started outside it; use capture='step' "
+            "(one graph holds them all)"
         )
     if capture is not None:
         eager = [m for m in mods if _reshards_after_forward(m)]

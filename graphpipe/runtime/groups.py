@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
@@ -47,7 +48,7 @@ from .lifetime import release_groups_at_exit
 from .status import WATCH
 from .store import JobStore, first_line
 
-__all__ = ["PatientGroup", "PipelineGroups", "refuse_to_join", "store_key"]
+__all__ = ["PatientGroup", "PipelineGroups", "refuse_to_join", "store_key", "taken_key"]
 
 _created: Counter = Counter()  # keys this process made per (kind, rank set)
 
@@ -61,15 +62,24 @@ def store_key(global_ranks: Sequence[int], kind: str = "") -> str:
     return f"graphpipe/{kind + '/' if kind else ''}{ranks}/{_created[kind, ranks]}"
 
 
+def taken_key(global_ranks: Sequence[int], kind: str = "") -> str | None:
+    """The key ``store_key(global_ranks, kind)`` gave last in this process (None: none yet):
+    the join a failed construction took part in (``Pipeline._peers_told``)."""
+    ranks = "_".join(map(str, global_ranks))
+    count = _created[kind, ranks]
+    return f"graphpipe/{kind + '/' if kind else ''}{ranks}/{count}" if count else None
+
+
 def refuse_to_join(
     group: Any, exc: BaseException, kind: str = "", what: str = "build the pipeline"
-) -> None:
+) -> str | None:
     """A join over ``group`` that this rank will not take (``exc``, raised by its own checks
     first): the members waiting in it raise at once naming this rank and ``exc``. Takes the
     join's key as its owner would (``store_key(ranks, kind)``: the pipeline's for ``kind``
-    "", the same on every member); a lost store, or one rank alone, leaves nothing to tell."""
+    "", the same on every member) and returns it; a lost store, or one rank alone, leaves
+    nothing to tell (None for one rank)."""
     if group is None or dist.get_world_size(group) < 2:
-        return
+        return None
     ranks = dist.get_process_group_ranks(group)
     key = store_key(ranks, kind)
     try:
@@ -77,13 +87,22 @@ def refuse_to_join(
         refuse(store, key, dist.get_rank(group), ranks, exc, what)
     except Exception:  # the store is gone: the members find that out themselves
         pass
+    return key
 
 
 def _gloo(store: Any, prefix: str, ranks: Sequence[int], me: int, timeout: datetime.timedelta):
-    """A gloo group of the global ``ranks`` (this process is ``me``), members only."""
-    return dist.ProcessGroupGloo(
-        dist.PrefixStore(prefix, store), ranks.index(me), len(ranks), timeout
-    )
+    """A gloo group of the global ``ranks`` (this process is ``me``), members only: a
+    ``ProcessGroup`` over its gloo backend, so that its operations go through torch's
+    dispatcher as ``c10d`` operations (which the CPU graph records) like those of a
+    ``new_group``."""
+    prefixed = dist.PrefixStore(prefix, store)
+    rank, size = ranks.index(me), len(ranks)
+    backend = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    group = dist.ProcessGroup(prefixed, rank, size)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(gloo)
+    group._register_backend(torch.device("cpu"), gloo, backend)
+    return group
 
 
 class _Dropped:

@@ -38,17 +38,25 @@ every pipeline still alive and
    process is ending: the operating system takes the memory back.
 
 and then every ``PipelineGroups`` still alive, its pipeline gone or not (each registers
-itself when it builds its groups, ``release_groups_at_exit``): it releases its groups (2)
-and is kept alive (3) too. With that, the breakpoint is hit only inside the hook
-(``_PyAtExit_Call``), and the soak checks it in every run: each rank reports how many
-pipeline gloo groups are still held after the hooks, and a run with any fails.
+itself when it builds its groups, ``release_groups_at_exit``; so does a ``DataParallel`` with
+the replicas' agreement group it owns): it releases its groups (2) and is kept alive (3)
+too. With that, the breakpoint is hit only inside the hook (``_PyAtExit_Call``), and the
+soak checks it in every run: each rank reports how many pipeline gloo groups are still held
+after the hooks, and a run with any fails.
 
 ``profiles/exit_soak.py`` runs such a script many times (its doc has the commands and the
 figures); ``tests/test_exit_dist.py`` runs it twice in the default suite.
 
-Owns: the registry of live pipelines and of their ``PipelineGroups`` (weak references). May
-touch: a registered pipeline's ``close`` and a registered ``PipelineGroups``' ``release``, at
-exit only.
+**The store's host.** Global rank 0 of an ``env://`` job serves the job's store, so its exit
+takes the store with it. When that process failed (a step, or its construction at or before
+a join: it gave up on a late peer, or refused its own arguments) and its exception ends it,
+its peers would read only that the store is gone. So the failure registers a hold
+(``hold_store``), and the first exit hook (``wait_for_readers``) waits, bounded, until the
+peers have marked that they read why.
+
+Owns: the registry of live pipelines and of their ``PipelineGroups`` (weak references), the
+holds of the store's host. May touch: a registered pipeline's ``close`` and a registered
+``PipelineGroups``' ``release``, at exit only; the store, through a hold's count, at exit.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import atexit
 import contextlib
 import ctypes
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -94,21 +103,23 @@ def release_groups_at_exit(groups: Any) -> None:
 
 
 HOLD_S = 30.0
-"""The longest the store's host waits at exit for its peers to read its failure notice."""
+"""The longest the store's host waits at exit for its peers to read why it failed."""
 
-_HOLDS: list[tuple[Any, int, int, float]] = []  # (notices, call, readers expected, seconds)
+# (how many peers have read it, how many to wait for, seconds, what they read)
+_HOLDS: list[tuple[Callable[[], int], int, float, str]] = []
 _hold_registered = False
 
 
-def hold_store(notices: Any, call: int, expected: int, seconds: float) -> None:
-    """This process serves the job's store and published the failure notice of ``call``:
-    before it ends, wait until ``expected`` peers have read it (``notices.readers``), at most
-    ``seconds``, so that their errors name this rank's error instead of a store that is
-    gone."""
+def hold_store(readers: Callable[[], int], expected: int, seconds: float, what: str) -> None:
+    """This process serves the job's store and failed (a step, ``faults``; or its
+    construction, at or before a join): before it ends, wait until ``readers()`` (a count in
+    the store that each peer raises once it has read ``what``) reaches ``expected``, at most
+    ``seconds``, so that the peers' errors name this rank's error instead of a store that is
+    gone. ``what``: in words, for the line on stderr (``its failure notice of step 3``)."""
     global _hold_registered
     if expected < 1:
         return
-    _HOLDS.append((notices, call, expected, seconds))
+    _HOLDS.append((readers, expected, seconds, what))
     if not _hold_registered:
         atexit.register(wait_for_readers)  # registered after release_at_exit: runs first
         _hold_registered = True
@@ -116,16 +127,16 @@ def hold_store(notices: Any, call: int, expected: int, seconds: float) -> None:
 
 def wait_for_readers() -> None:
     """The exit hook of ``hold_store``: one line on stderr when it has to wait, one when a
-    peer never read the notice."""
+    peer never read what it waited for."""
     import sys
     import time
 
-    for notices, call, expected, seconds in _HOLDS:
+    for readers, expected, seconds, what in _HOLDS:
         deadline = time.monotonic() + seconds
         said = False
         while True:
             try:
-                got = notices.readers(call)
+                got = readers()
             except Exception:  # the store is gone already: nothing to wait for
                 break
             if got >= expected:
@@ -133,16 +144,15 @@ def wait_for_readers() -> None:
             now = time.monotonic()
             if now >= deadline:
                 print(
-                    f"graphpipe: {got} of {expected} peers read this rank's failure notice of "
-                    f"call {call} within {seconds:g} s; exiting (the store goes with this "
-                    "process)",
+                    f"graphpipe: {got} of {expected} peers read {what} within {seconds:g} s; "
+                    "exiting (the store goes with this process)",
                     file=sys.stderr,
                 )
                 break
             if not said and now + seconds - 1.0 > deadline:
                 print(
                     f"graphpipe: this process serves the job's store; waiting up to "
-                    f"{seconds:g} s for {expected - got} peer(s) to read its failure notice",
+                    f"{seconds:g} s for {expected - got} peer(s) to read {what}",
                     file=sys.stderr,
                 )
                 said = True

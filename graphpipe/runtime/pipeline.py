@@ -24,7 +24,7 @@ from torch import nn
 
 from graphpipe.costs import Costs
 from graphpipe.ir import Action, Op
-from graphpipe.lower import forward_only, lower, transfers
+from graphpipe.lower import forward_only, in_send_order, lower, transfers
 from graphpipe.meta import StepRecord
 from graphpipe.nvtx import Ranges
 from graphpipe.validate import resolve_schedule
@@ -35,6 +35,7 @@ from .capture import CaptureDriver, StaticPlan
 from .checks import (
     CAPTURE_MODES,
     check_arguments,
+    check_capture,
     check_capture_optimizer,
     check_disjoint_groups,
     check_expert_groups,
@@ -49,15 +50,22 @@ from .clipping import GradClipper, check_clip_args
 from .comm import CommEngine
 from .config import pipeline_config
 from .context import RankContext
-from .data_parallel import DataParallel, check_stage_wrappers, refuse_setup
-from .faults import CommFailure, FaultNotices, Faults
+from .data_parallel import DataParallel, check_stage_wrappers, refuse_setup, setup_key
+from .faults import (
+    CommFailure,
+    FaultNotices,
+    Faults,
+    construction_told,
+    hold_construction,
+)
 from .fsdp import ShardedStages, check_fsdp
-from .groups import PipelineGroups, refuse_to_join
-from .lifetime import keep_through_exit
+from .groups import PipelineGroups, refuse_to_join, taken_key
+from .lifetime import HOLD_S, keep_through_exit
 from .loss import LossReducer
 from .program import StepHooks, compile_program
 from .stage import StageRunner
 from .step import StepLoop
+from .store import JobStore
 from .tied import TiedWeights
 
 __all__ = ["DualPipeV", "Pipeline", "clip_grad_norm_"]
@@ -97,7 +105,8 @@ class Pipeline:
             busy 2-core CPU; each incoming buffer then lives from the start of the step).
             ``"timed"``: each just before its data is sent in the dataflow timing with
             ``costs`` (the default on NCCL: receive buffers live shorter). ``"plain"``: each
-            in the batch of the compute that reads it (``graphpipe.lower``'s plain rule).
+            in the batch of the compute that reads it (``graphpipe.lower``'s plain rule), or
+            earlier where its rank pair's send order needs it (``lower.in_send_order``).
         costs: the expected action costs (``graphpipe.simulate.Costs``); with
             ``receives="timed"`` the lowering times the receives with them. Default: F=1,
             B=2, I=1, W=1.
@@ -168,7 +177,8 @@ class Pipeline:
         expert_groups: Any = None,
         loss_reduction: str = "mean",
     ) -> None:
-        self._join_taken = self._dp_join_taken = False
+        self._join_taken = self._dp_join_taken = False  # this rank took the join's key
+        self._joined = self._dp_joined = False  # and passed the join (and what follows it)
         with self._peers_told(group, dp_group):  # a failure here is told at their joins
             check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
             self.loss_reduction = loss_reduction
@@ -246,10 +256,13 @@ class Pipeline:
                 latency=latency,
                 receives=self.receives,
             )
-            train_transfers = transfers(lowered, self.placement)
             infer_lowered = lower(
                 forward_only(self.schedule), self.placement, receives=self.receives
             )
+            if self.receives == "plain":  # each rank pair one FIFO, as the transfers need
+                lowered = in_send_order(lowered, self.placement)
+                infer_lowered = in_send_order(infer_lowered, self.placement)
+            train_transfers = transfers(lowered, self.placement)
             infer_transfers = transfers(infer_lowered, self.placement)
             edges = {(t.src, t.dst) for t in train_transfers}
             # What every rank must agree on, joined in the store before any group is built
@@ -277,6 +290,7 @@ class Pipeline:
             self.expert_groups = check_expert_groups(self.modules, expert_groups)
             check_fsdp(self.modules, CAPTURE_MODES[capture], dp_group)
             check_capture_optimizer(capture_optimizer, capture, self.device)
+            check_capture(CAPTURE_MODES[capture], self.device, nccl, n, self.receives, stages)
             if clip_grad_norm is not None:
                 check_clip_args(clip_grad_norm, clip_norm_type)
             self._join_taken = True  # PipelineGroups takes the pipeline's key and joins
@@ -287,6 +301,7 @@ class Pipeline:
                 datetime.timedelta(seconds=seconds(timeout)),
                 config,
             )
+            self._joined = True
             self.engine = engine = CommEngine(
                 runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
             )
@@ -301,7 +316,9 @@ class Pipeline:
             )
             # Parts that run inside the training step as instructions of its program.
             self.capture = CAPTURE_MODES[capture]
-            self.grad_sync = grad_sync = GradSync()  # accumulation across calls, no_sync
+            # Accumulation across calls, no_sync: the window is the parameters' (shared with
+            # any other pipeline over them), so the part is given them.
+            self.grad_sync = grad_sync = GradSync(ctx.parameters())
             self.fsdp = ShardedStages(ctx, loss_reduction, grad_sync)
             self._dp_join_taken = True  # DataParallel joins its group's setup first
             self.data_parallel = (
@@ -319,6 +336,7 @@ class Pipeline:
                 if dp_group is not None
                 else None
             )
+            self._dp_joined = True
             self.tied = TiedWeights(ctx, grad_sync)
             self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
             self._clips = clip_grad_norm is not None
@@ -332,11 +350,14 @@ class Pipeline:
                 self.data_parallel.step_hooks() if self.data_parallel else StepHooks(),
                 self.fsdp.step_hooks(),
                 self.tied.step_hooks(),
-                self._clipper.in_step(clip_grad_norm, clip_norm_type, grad_sync)
+                self._clipper.in_step(
+                    clip_grad_norm, clip_norm_type, grad_sync, self.capture is not None
+                )
                 if self._clips
                 else StepHooks(),
             )
             self._infer.install(self.fsdp.infer_hooks())
+            dp = self.data_parallel
             self._agreement = BatchAgreement(
                 groups,
                 self.rank,
@@ -345,6 +366,8 @@ class Pipeline:
                 self.loss_rank,
                 m,
                 float_dtype(self.modules[0]),
+                replicas=dp.agree if dp is not None and dp.agrees else None,
+                refuse=grad_sync.check_captured if self.capture else None,
             )
             self._loss_dtype = loss_dtype(self.modules)
             self.loss = LossReducer(
@@ -379,16 +402,49 @@ class Pipeline:
     def _peers_told(self, group: Any, dp_group: Any) -> Iterator[None]:
         """Construction: when it fails on this rank, the joins it has not taken yet (the
         pipeline's, the data-parallel setup's) say so, naming the error, so that no peer
-        waits in one for the timeout or goes on to a collective this rank never enters."""
+        waits in one for the timeout or goes on to a collective this rank never enters.
+        And the peers must be able to read it: see ``_told_at_exit``."""
         try:
             yield
         except Exception as e:
             if dist.is_available() and dist.is_initialized():
-                if not self._join_taken:
-                    refuse_to_join(group if group is not None else dist.group.WORLD, e)
-                if dp_group is not None and not self._dp_join_taken:
-                    refuse_setup(dp_group, e)
+                with contextlib.suppress(Exception):  # never hide this rank's own error
+                    self._tell_peers(group if group is not None else dist.group.WORLD, dp_group, e)
             raise
+
+    def _tell_peers(self, group: Any, dp_group: Any, e: Exception) -> None:
+        """The joins this failed construction took part in (``_peers_told``): refused where
+        not taken yet, and told at exit (``_told_at_exit``)."""
+        joins = []  # (key, members, this rank failed at or before it)
+        if self._join_taken:
+            key = taken_key(dist.get_process_group_ranks(group))
+        else:
+            key = refuse_to_join(group, e)
+        joins.append((key, dist.get_world_size(group), not self._joined))
+        if dp_group is not None:
+            key = setup_key(dp_group) if self._dp_join_taken else refuse_setup(dp_group, e)
+            joins.append((key, dist.get_world_size(dp_group), not self._dp_joined))
+        self._told_at_exit(joins)
+
+    @staticmethod
+    def _told_at_exit(joins: list[tuple[str | None, int, bool]]) -> None:
+        """A failed construction: this rank counts itself told at each join it took part in
+        (``faults.construction_told``). When this process serves the job's store (global
+        rank 0 of an ``env://`` job) and failed at or before a join, its exit waits until
+        every member of that join is told, at most ``lifetime.HOLD_S`` (a member that comes
+        late may come any time after the timeout), so that it reads why here instead of
+        that the store is gone (``lifetime.hold_store``, as after a failed step)."""
+        try:
+            store = JobStore(dist.distributed_c10d._get_default_store())
+            host = store.hosted_here()
+        except Exception:  # no store to hold: the members find that out themselves
+            return
+        for key, members, before in joins:
+            if key is None or members < 2:
+                continue
+            construction_told(store, key)
+            if host and before:
+                hold_construction(store, key, members, HOLD_S)
 
     # ------------------------------------------------------------------ steps
     def step(
@@ -417,23 +473,8 @@ class Pipeline:
         With ``capture``, the returned loss of a replayed step is the static loss tensor: it
         aliases graph memory and is overwritten by the next step (clone it to keep it).
         """
-        if not torch.is_grad_enabled():
-            raise RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
-        if isinstance(scaler, torch.Tensor):
-            raise ValueError(
-                "scaler= is step()'s GradScaler parameter, and a tensor was passed: a keyword "
-                "tensor cannot be named 'scaler' (nor take the name of another parameter of "
-                "step); rename the stage's (or loss_fn's) forward parameter"
-            )
-        if self.capture and scaler is not None:
-            raise ValueError("a GradScaler cannot be used with capture; pass scaler=None")
-        if scaler is not None and self._clips:
-            raise ValueError(
-                "clip_grad_norm clips inside the step, before a GradScaler could unscale: "
-                "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
-                "pipe.unscale_(scaler, optimizer)"
-            )
-        sig, dtype = self._agree(inputs, labels, kwargs, True)
+        refused = self._refused(scaler)  # raised through the agreement: on every rank
+        sig, dtype = self._agree(inputs, labels, kwargs, True, refused)
         with self._guard():
             if self._capture is not None:
                 self.loss.ensure(dtype, frozen=bool(self._capture.captures))
@@ -462,8 +503,33 @@ class Pipeline:
                 stacklevel=3,
             )
 
+    def _refused(self, scaler: Any) -> Exception | None:
+        """What ``step()`` refuses before looking at the batch (None: nothing)."""
+        if not torch.is_grad_enabled():
+            return RuntimeError("Pipeline.step needs grad mode; use forward() for inference")
+        if isinstance(scaler, torch.Tensor):
+            return ValueError(
+                "scaler= is step()'s GradScaler parameter, and a tensor was passed: a keyword "
+                "tensor cannot be named 'scaler' (nor take the name of another parameter of "
+                "step); rename the stage's (or loss_fn's) forward parameter"
+            )
+        if self.capture and scaler is not None:
+            return ValueError("a GradScaler cannot be used with capture; pass scaler=None")
+        if scaler is not None and self._clips:
+            return ValueError(
+                "clip_grad_norm clips inside the step, before a GradScaler could unscale: "
+                "build the pipeline without it and call graphpipe.clip_grad_norm_ after "
+                "pipe.unscale_(scaler, optimizer)"
+            )
+        return None
+
     def _agree(
-        self, inputs: Any, labels: Any, kwargs: dict[str, Any], train: bool
+        self,
+        inputs: Any,
+        labels: Any,
+        kwargs: dict[str, Any],
+        train: bool,
+        refused: Exception | None = None,
     ) -> tuple[BatchSignature, Any]:
         """Start a call and agree on its batch (a rejected batch raises on every rank)."""
         faults = self._faults
@@ -481,6 +547,7 @@ class Pipeline:
                 self._keyword_mask,
                 self.grad_sync.sync,
                 self._check_labels,
+                refused,
             )
         except CommFailure as f:
             raise faults.consequence(f) from f
@@ -507,7 +574,7 @@ class Pipeline:
         self.engine.abandon()
         self._loop.forget()
         if self._capture is not None:
-            self._capture.activate(None)
+            self._capture.drop_graphs()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -517,8 +584,10 @@ class Pipeline:
         weights tied across ranks and the in-step clipping; each rank's ``.grad`` holds its
         own unreduced sum. The first step after the block reduces everything the block
         accumulated, so ``.grad`` then equals the reducing path's (``k`` calls, each
-        reducing). Every rank of the pipeline and every replica must call its steps inside
-        the block together (the pipeline's ranks check it; ``ValueError`` otherwise).
+        reducing), also when that step is another pipeline's over the same parameters (the
+        window is the parameters', ``runtime/accumulation.py``). Every rank of the pipeline
+        and every replica must call its steps inside the block together (the pipeline's
+        ranks check it, ``ValueError`` otherwise; the replicas too, ``PipelineError``).
         Refused with ``capture`` (the captured step reduces)."""
         if self.capture:
             raise ValueError(

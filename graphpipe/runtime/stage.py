@@ -135,9 +135,13 @@ class StageRunner:
         # that consumes stage li's input gradient.
         self.prev_local = [self.local.get(s - 1) for s in self.stage_ids]
         self.stores = tuple(WeightGradStore() for _ in self.modules)
+        # A layer that cannot defer is named only where the schedule splits a backward of
+        # its stage into I and W (elsewhere every weight gradient is computed in B anyway).
         self.num_deferrable = tuple(
-            make_deferrable(m, st, where=f"stage {sid}") if defer else 0
-            for m, st, sid in zip(self.modules, self.stores, self.stage_ids, strict=True)
+            make_deferrable(m, st, where=f"stage {sid}", warn=any(flags)) if defer else 0
+            for m, st, sid, flags in zip(
+                self.modules, self.stores, self.stage_ids, split_flags, strict=True
+            )
         )
         m, k = num_microbatches, len(self.modules)
         # The deferred GEMMs the W actions found, per stage (idle_weight_stages).

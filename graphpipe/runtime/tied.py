@@ -35,7 +35,7 @@ from torch import nn
 
 from graphpipe.roles import tied_name
 
-from .accumulation import GradSync
+from .accumulation import GradSync, in_window
 from .context import RankContext
 from .faults import CommFailure
 from .program import StepHooks, Trailing
@@ -134,10 +134,15 @@ class TiedWeights:
     def divide_existing(self) -> None:
         """The start of a step: a gradient already there (every copy holds the same sum) is
         divided by the number of holder ranks, and the other local copies of a name start at
-        zero, so that the sum adds this step's gradients only (runtime/accumulation.py)."""
+        zero, so that the sum adds this step's gradients only (runtime/accumulation.py). Not
+        the copies an open no-sync window holds (``in_window``; opened by this pipeline or by
+        another over the same weights): each holds its own unreduced sum, which the window's
+        reducing step sums."""
         with torch.no_grad():
             for hs in self.sets:
                 for ps in hs.params:
+                    if in_window(ps[0]):
+                        continue
                     g = ps[0].grad
                     if g is not None and hs.size > 1:
                         g.div_(hs.size)

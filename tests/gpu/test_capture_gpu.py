@@ -134,20 +134,89 @@ def test_llama_with_triton_kernels_captured_matches_eager(granularity, dtype, gp
     assert largest <= LLAMA_REL_TOL[dtype] * scale, (name, largest)
 
 
-def test_replay_refuses_grads_set_to_none():
+def test_grads_set_to_none_get_their_static_tensor_back_and_a_replaced_grad_raises():
     import graphpipe
 
     dev = torch.device("cuda")
-    cs = [s.to(dev) for s in local_stages(build_stages(2, 16, dtype=torch.float32), 0, 1)]
+    es, cs = (
+        [s.to(dev) for s in local_stages(build_stages(2, 16, dtype=torch.float32), 0, 1)]
+        for _ in range(2)
+    )
+    eager = graphpipe.DualPipeV(es, num_microbatches=2, loss_fn=mse)
     pipe = graphpipe.DualPipeV(cs, num_microbatches=2, loss_fn=mse, capture=True)
-    x, y = (t.to(dev) for t in batch(4, 16, dtype=torch.float32))
-    pipe.step(x, y)
-    pipe.step(x, y)
-    for s in cs:
-        s.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="set_to_none=False"):
+    for step in range(4):
+        x, y = (t.to(dev) for t in batch(4, 16, seed=step, dtype=torch.float32))
+        for s in (*es, *cs):
+            s.zero_grad(set_to_none=True)
+        eager.step(x, y)
+        pipe.step(x, y)
+        torch.cuda.synchronize()
+        for a, b in zip(params(es), params(cs)):
+            assert torch.equal(a.grad, b.grad), f"step {step}"
+    cs[0].fc1.weight.grad = torch.zeros_like(cs[0].fc1.weight)
+    with pytest.raises(RuntimeError, match="replaced by another tensor"):
         pipe.step(x, y)
     pipe.close()
+
+
+@pytest.mark.parametrize("granularity", ["step", "action"])
+def test_the_cpu_graph_and_the_cuda_graph_replay_the_same_step(granularity):
+    """The CPU graph models a CUDA graph: the same one-rank step (fp64 residual-MLP stages,
+    SGD between steps) captured on CPU and on CUDA gives the same losses and gradients over
+    replays, to rounding (CPU and GPU GEMMs sum in other orders)."""
+    import graphpipe
+
+    runs = {}
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        stages = [s.to(dev) for s in local_stages(build_stages(2, 32), 0, 1)]
+        pipe = graphpipe.DualPipeV(stages, num_microbatches=4, loss_fn=mse, capture=granularity)
+        opt = torch.optim.SGD(params(stages), lr=0.05)
+        out = []
+        for step in range(5):
+            x, y = (t.to(dev) for t in batch(16, 32, seed=step))
+            opt.zero_grad(set_to_none=False)
+            loss = pipe.step(x, y).clone()
+            out.append((loss.cpu(), [p.grad.cpu().clone() for p in params(stages)]))
+            opt.step()
+        pipe.close()
+        runs[dev.type] = out
+    for step, ((lc, gc), (lg, gg)) in enumerate(zip(runs["cpu"], runs["cuda"], strict=True)):
+        torch.testing.assert_close(lg, lc, rtol=1e-12, atol=0, msg=f"step {step} loss")
+        for a, b in zip(gc, gg, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-13, msg=f"step {step} grad")
+
+
+def test_a_learning_rate_schedule_on_a_tensor_lr_is_exact_inside_the_graph():
+    """The learning rate as a tensor the captured Adam reads: a scheduler's in-place updates
+    reach every replay (a float lr would be refused by name, tests/test_capture_graphs.py)."""
+    import graphpipe
+
+    dev = torch.device("cuda")
+    es, cs = (
+        [s.to(dev) for s in local_stages(build_stages(2, 32, dtype=torch.float32), 0, 1)]
+        for _ in range(2)
+    )
+    opt_e, opt_c = (
+        torch.optim.Adam(params(s), lr=torch.tensor(1e-2, device=dev), capturable=True)
+        for s in (es, cs)
+    )
+    sched_e, sched_c = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt_e, opt_c))
+    eager = graphpipe.DualPipeV(es, num_microbatches=2, loss_fn=mse)
+    captured = graphpipe.DualPipeV(
+        cs, num_microbatches=2, loss_fn=mse, capture=True, capture_optimizer=opt_c
+    )
+    for step in range(5):
+        x, y = (t.to(dev) for t in batch(8, 32, seed=step, dtype=torch.float32))
+        opt_e.zero_grad(set_to_none=False)
+        eager.step(x, y)
+        opt_e.step()
+        captured.step(x, y)
+        sched_e.step()
+        sched_c.step()
+        torch.cuda.synchronize()
+        for a, b in zip(params(es), params(cs)):
+            assert torch.equal(a, b), f"step {step}"
+    captured.close()
 
 
 def _two_rank_case(rank: int, world: int, granularity: str) -> list[str]:

@@ -32,6 +32,12 @@ def stock_deepseek_v3():
     return deepseek_v3_debugmodel()
 
 
+def graphpipe_deepseek_v3():
+    config = deepseek_v3_debugmodel()
+    config.model_spec.pipelining_fn = functools.partial(pipelining_fn, capture=None)
+    return config
+
+
 def graphpipe_deepseek_v3_captured():
     config = deepseek_v3_debugmodel()
     config.model_spec.pipelining_fn = functools.partial(pipelining_fn, capture="step")

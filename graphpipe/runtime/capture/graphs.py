@@ -1,32 +1,98 @@
-"""CUDA graph capture and replay of a static step (the thin GPU-only layer).
+"""The graphs of a captured step, one interface for both devices.
 
-A capture is a list of entries ``(name, eager part, part to capture)``: each captured part
-becomes one graph (all sharing one memory pool, captured on the pipeline's capture stream),
-each eager part runs before it, at capture and at every replay. Granularities
-(``Pipeline._capture_entries``): ``step``, one graph holding the whole static step, its
-asynchronous P2P included (communication streams forked and joined inside the graph); and
-``action``, one graph per compute action replayed inside the range named after it, with the
-action's P2P posted and waited eagerly before it (a graph must join every stream it forks, so
-a transfer in flight across actions cannot live inside per-action graphs). NCCL rules:
-communicators are warmed up by the eager warmup step, all ranks enter capture together
-(barrier), graphs are destroyed before the process group (``Pipeline.close()``).
+A capture is a list of entries ``(name, eager part, part to capture)``. ``CapturedGraphs.
+capture`` runs the step once through them: per entry its eager part, then its other part
+captured into a graph of its own and run. ``replay`` runs the step again: per entry its eager
+part, then its graph. The graph is the device's:
 
-UNTESTED ON GPU until a GPU run proves it: the tests in ``tests/gpu`` exercise this layer and
-skip without CUDA.
+* CUDA: ``CudaGraph`` (``torch.cuda.CUDAGraph``), all of a step's graphs in one memory pool,
+  captured on the pipeline's capture stream in ``"thread_local"`` error mode (NCCL's
+  watchdog threads keep querying events while a rank captures; Megatron captures so too).
+  The capture begins without the device-wide synchronize of ``torch.cuda.graph``: in
+  ``capture="action"`` a rank's eager P2P is in flight between its graphs, and a synchronize
+  there would wait for a peer that is itself waiting to capture.
+* CPU: ``CpuGraph`` (``cpu_graph.py``), the same semantics on the host, so the CPU suite runs
+  the capture driver a GPU runs.
+
+Granularities (``CaptureDriver.entries``): ``step``, one graph holding the whole static step,
+its P2P included; ``action``, one graph per compute action, replayed inside the range named
+after it, its P2P posted and waited eagerly before it (a graph must join every stream it
+forks, so a transfer in flight across actions cannot live inside per-action graphs).
+
+The CUDA side is UNTESTED ON GPU until a GPU run proves it: ``tests/gpu`` exercises it and
+skips without CUDA.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from graphpipe.nvtx import Ranges
 
-__all__ = ["CapturedGraphs"]
+from .cpu_graph import CpuGraph
+
+__all__ = ["CAPTURE_ERROR_MODE", "CapturedGraphs", "CudaGraph", "StepGraph", "new_graphs"]
 
 Entry = tuple[str, Callable[[], Any] | None, Callable[[], Any] | None]
+
+CAPTURE_ERROR_MODE = "thread_local"
+"""``torch.cuda.CUDAGraph.capture_begin``'s error mode: only this thread's unsafe CUDA calls
+invalidate the capture (NCCL's watchdog threads query events meanwhile)."""
+
+
+class StepGraph(Protocol):
+    """A graph of one device: ``capture(fn)`` runs ``fn`` once, recording it; ``replay()``
+    runs it again; ``reset()`` frees it."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any: ...
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class CudaGraph:
+    """A ``torch.cuda.CUDAGraph`` in ``pool`` on ``stream``; ``capture`` records ``fn``
+    (which does not run during a CUDA capture), then replays it once, so that after
+    ``capture`` the work has run, as on the CPU graph."""
+
+    def __init__(self, pool: Any, stream: Any) -> None:
+        self.pool, self.stream = pool, stream
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        g = self.graph
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
+            try:
+                out = fn()
+            finally:
+                g.capture_end()
+        g.replay()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+
+def new_graphs(
+    device: torch.device, stream: Any = None, label: Callable[[], str] | None = None
+) -> Callable[[], StepGraph]:
+    """A maker of the device's graphs for one capture (on CUDA sharing one memory pool, on
+    ``stream``; on CPU naming ``label()`` in errors)."""
+    if device.type == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+        stream = stream if stream is not None else torch.cuda.Stream(device)
+        return lambda: CudaGraph(pool, stream)
+    if device.type == "cpu":
+        return lambda: CpuGraph(label)
+    raise ValueError(f"capture runs on CUDA or CPU devices, not {device.type!r}")
 
 
 class CapturedGraphs:
@@ -42,25 +108,36 @@ class CapturedGraphs:
         self.eager: list[Callable[[], Any] | None] = []
 
     @staticmethod
-    def capture(entries: Sequence[Entry], stream: Any = None) -> CapturedGraphs:
-        """Run each entry's eager part, then capture its other part into its own graph, on
-        ``stream`` (default: a new side stream), all graphs sharing one memory pool."""
+    def capture(
+        entries: Sequence[Entry], make: Callable[[], StepGraph], ranges: Ranges | None = None
+    ) -> CapturedGraphs:
+        """Run the step once through ``entries``: each entry's eager part, then its other part
+        captured into its own graph (``make()``) and run; with several entries each capture
+        inside the range named after its entry (on ``ranges``). A failure resets what was
+        made."""
         out = CapturedGraphs()
-        pool = torch.cuda.graph_pool_handle()
-        stream = stream if stream is not None else torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        for name, eager, fn in entries:
-            if eager is not None:
-                eager()
-            g = None
-            if fn is not None:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    fn()
-            out.graphs.append(g)
-            out.names.append(name)
-            out.eager.append(eager)
-        torch.cuda.current_stream().wait_stream(stream)
+        named = ranges is not None and len(entries) > 1
+        try:
+            for name, eager, fn in entries:
+                if eager is not None:
+                    eager()
+                g = None
+                if fn is not None:
+                    g = make()
+                    if named:
+                        ranges.push(name)
+                        try:
+                            g.capture(fn)
+                        finally:
+                            ranges.pop()
+                    else:
+                        g.capture(fn)
+                out.graphs.append(g)
+                out.names.append(name)
+                out.eager.append(eager)
+        except BaseException:
+            out.reset()
+            raise
         return out
 
     def replay(self, ranges: Ranges) -> None:
