@@ -6,9 +6,18 @@ from __future__ import annotations
 import itertools
 import random
 
+import hypothesis
+import numpy as np
 import pytest
+from hypothesis import strategies as st
 
-from graphpipe.planner import AUTO_SCHEDULES, LayerCost, StagePlan, plan_stages
+from graphpipe.planner import (
+    AUTO_SCHEDULES,
+    LayerCost,
+    MemoryBudgetExceeded,
+    StagePlan,
+    plan_stages,
+)
 from graphpipe.schedules import SCHEDULES
 from graphpipe.simulate import Costs, figures
 from graphpipe.splits import layers_per_stage
@@ -202,7 +211,12 @@ def test_auto_chooses_the_fastest_schedule_that_fits() -> None:
         ({"num_stages": 3}, r"dualpipev places 2 stages on each rank: num_stages=3"),
         ({"num_stages": 16}, r"4 layers are too few for num_stages=16"),
         ({"num_microbatches": 2}, r"num_microbatches must be >= 2 \* num_ranks = 4"),
-        ({"memory_budget": -1}, r"memory_budget must be a number of bytes > 0, got -1"),
+        ({"memory_budget": -1}, r"memory_budget must be a finite number of bytes >= 1, got -1"),
+        ({"memory_budget": float("inf")}, r"memory_budget must be a finite number .*, got inf"),
+        ({"memory_budget": float("nan")}, r"memory_budget must be a finite number .*, got nan"),
+        ({"p2p": float("inf")}, r"p2p must be a finite number of seconds >= 0, got inf"),
+        ({"p2p": -1.0}, r"p2p must be a finite number of seconds >= 0, got -1.0"),
+        ({"tie_margin": 1.5}, r"tie_margin must be a fraction in \[0, 1\), got 1.5"),
         ({"first_costs": 3.0}, r"first_costs must be a LayerCost or None, got float"),
         ({"layer_costs": [LAYER, 1.0]}, r"layer_costs\[1\] must be a LayerCost, got float"),
     ],
@@ -260,3 +274,349 @@ def test_predict_step_refuses_a_stage_count_the_schedule_cannot_place() -> None:
         predict_step([Costs()] * 3, num_microbatches=8)
     with pytest.raises(ValueError, match="unknown schedule 'nope'"):
         predict_step([Costs()] * 4, num_microbatches=8, schedule="nope")
+
+
+@pytest.mark.parametrize("bad", [8.0, 0, True, "8"])
+def test_predict_step_refuses_a_microbatch_count_that_is_not_a_positive_int(bad: object) -> None:
+    """p07: ``num_microbatches=8.0`` failed inside numpy ("ufunc 'left_shift' not supported")."""
+    from graphpipe.planner import predict_step
+
+    with pytest.raises(
+        ValueError, match=rf"^num_microbatches must be an int >= 1, got num_microbatches={bad!r}$"
+    ):
+        predict_step([Costs()] * 4, num_microbatches=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory budgets: which splits fit is decided exactly (issue 40, p01), and the tied bytes
+
+
+def _every_split(n_layers: int, num_stages: int) -> list[list[int]]:
+    out = []
+    for cuts in itertools.combinations_with_replacement(range(n_layers + 1), num_stages - 1):
+        bounds = [0, *cuts, n_layers]
+        counts = [bounds[i + 1] - bounds[i] for i in range(num_stages)]
+        if all(c >= 1 for c in counts[1:-1]):
+            out.append(counts)
+    return out
+
+
+@st.composite
+def _memory_cases(draw) -> dict:
+    """A small model with bytes, a schedule and a budget drawn among its splits' own peaks
+    (so that some fit, or, one byte below the least, none)."""
+    schedule = draw(st.sampled_from(["dualpipev", "zbv", "1f1b"]))
+    kind = SCHEDULES[schedule]
+    ranks = draw(st.integers(1, 3))
+    stages = kind.num_stages(ranks)
+    n_layers = draw(st.integers(max(stages - 2, 0), 7))
+    m = draw(st.integers(2 * ranks, 2 * ranks + 3))
+    small = st.integers(0, 100)
+
+    def cost(**kw) -> LayerCost:
+        return LayerCost(
+            draw(st.floats(0.5, 2)), draw(st.floats(0.5, 2)), draw(st.floats(0, 2)), **kw
+        )
+
+    layers = [
+        cost(
+            activation_bytes=draw(small),
+            weight_grad_bytes=draw(small),
+            parameter_bytes=draw(st.integers(0, 1000)),
+        )
+        for _ in range(n_layers)
+    ]
+    first = cost(activation_bytes=draw(small), parameter_bytes=draw(st.integers(0, 1000)))
+    last = cost(
+        activation_bytes=draw(st.integers(0, 400)),
+        weight_grad_bytes=draw(small),
+        parameter_bytes=draw(st.integers(0, 1000)),
+    )
+    tied = draw(st.integers(0, min(first.parameter_bytes, last.parameter_bytes)))
+    return {
+        "layers": layers,
+        "first": first,
+        "last": last,
+        "stages": stages,
+        "ranks": ranks,
+        "m": m,
+        "schedule": schedule,
+        "tied": tied,
+        "pick": draw(st.floats(-0.01, 1)),  # where the budget falls among the peaks
+    }
+
+
+def _brute_force(case: dict) -> tuple[int, list[tuple[list[int], int, float]]]:
+    """The budget of the case and, for every valid split, its peak (the fullest rank's, by
+    the planner's own accounting) and its step."""
+    from graphpipe.planner import _Model
+
+    kind = SCHEDULES[case["schedule"]]
+    model = _Model(
+        kind,
+        case["ranks"],
+        case["m"],
+        case["layers"],
+        case["first"],
+        case["last"],
+        0.0,
+        case["tied"],
+    )
+    rows = []
+    for counts in _every_split(len(case["layers"]), case["stages"]):
+        vec = model.stage_vectors(counts)
+        rows.append((counts, max(model.peaks(vec)), model.makespan(vec)))
+    peaks = sorted({peak for _, peak, _ in rows})
+    pick = case["pick"]
+    budget = peaks[0] - 1 if pick < 0 else peaks[min(int(pick * len(peaks)), len(peaks) - 1)]
+    return max(budget, 1), rows
+
+
+@hypothesis.settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True
+)
+@hypothesis.given(_memory_cases())
+def test_a_split_that_fits_the_budget_is_found_and_the_fastest_of_them_chosen(case) -> None:
+    """Brute force over every split: when one fits by its own peak accounting, the plan fits
+    and is the fastest that fits (so few fit in these cases that all are simulated); when
+    none fits, the refusal names the least any split needs."""
+    budget, rows = _brute_force(case)
+    kwargs = {
+        "num_microbatches": case["m"],
+        "schedule": case["schedule"],
+        "first_costs": case["first"],
+        "last_costs": case["last"],
+        "tied_parameter_bytes": case["tied"],
+        "memory_budget": budget,
+    }
+    fitting = [(counts, step) for counts, peak, step in rows if peak <= budget]
+    if not fitting:
+        with pytest.raises(MemoryBudgetExceeded) as info:
+            plan_stages(case["layers"], case["stages"], **kwargs)
+        least = min(peak for _, peak, _ in rows)
+        assert info.value.shortfall == least - budget
+        assert max(info.value.closest.peak_memory_bytes) == least
+        return
+    plan = plan_stages(case["layers"], case["stages"], **kwargs)
+    assert max(plan.peak_memory_bytes) <= budget
+    assert plan.predicted_step_s == pytest.approx(min(step for _, step in fitting), rel=1e-9)
+
+
+@hypothesis.settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True
+)
+@hypothesis.given(_memory_cases())
+def test_the_exact_memory_check_counts_and_lists_every_split_that_fits(case) -> None:
+    from graphpipe.planner import _Fitting, _Model
+
+    budget, rows = _brute_force(case)
+    kind = SCHEDULES[case["schedule"]]
+    model = _Model(
+        kind,
+        case["ranks"],
+        case["m"],
+        case["layers"],
+        case["first"],
+        case["last"],
+        0.0,
+        case["tied"],
+    )
+    fitting = _Fitting(model, budget)
+    expected = sorted(counts for counts, peak, _ in rows if peak <= budget)
+    assert fitting.count == len(expected)
+    assert sorted(fitting.splits(10**6)) == expected
+
+
+def test_the_one_split_that_fits_is_found_where_the_moves_do_not_lead() -> None:
+    # 1F1B on 3 ranks holds 3, 2 and 1 micro-batches' activations on stages 0, 1 and 2: the
+    # layer of 1 byte fits a budget of 1 byte on stage 2 only, and stage 1 needs a layer, so
+    # [0, 1, 2] (the slowest split) is the one that fits. The moves rank the splits over the
+    # budget by their excess, then by their step: from the seeds [1, 1, 1] and [1, 2, 0] they
+    # stop at [1, 2, 0] (1 byte over, step 28), two moves from it, and the search said "no
+    # split fits" before which splits fit was decided exactly.
+    light, heavy = LayerCost(1, 1, 0), LayerCost(1, 1, 0, activation_bytes=1)
+    plan = plan_stages(
+        [light, heavy, light],
+        3,
+        num_microbatches=6,
+        schedule="1f1b",
+        first_costs=light,
+        last_costs=light,
+        memory_budget=1,
+    )
+    assert plan.layers_per_stage == (0, 1, 2)
+    assert plan.peak_memory_bytes == (0, 0, 1)
+
+
+def test_tied_bytes_beyond_the_parameters_are_refused_naming_the_value() -> None:
+    embed = LayerCost(0.0, 0.0, 0.0, parameter_bytes=500)
+    kwargs = {"num_microbatches": 4, "first_costs": embed, "last_costs": LAYER}
+    with pytest.raises(ValueError, match=r"tied_parameter_bytes=1000 is more than first_costs"):
+        plan_stages([LAYER] * 4, 4, tied_parameter_bytes=1000, **{**kwargs, "last_costs": embed})
+    with pytest.raises(
+        ValueError, match=r"tied_parameter_bytes=500 is more than last_costs.parameter_bytes=0"
+    ):
+        plan_stages([LAYER] * 4, 4, tied_parameter_bytes=500, **kwargs)
+
+
+def test_bytes_are_whole_numbers() -> None:
+    with pytest.raises(ValueError, match=r"LayerCost.activation_bytes must be a whole number"):
+        LayerCost(1, 1, 1, activation_bytes=0.5)
+    assert LayerCost(1, 1, 1, parameter_bytes=1e9).parameter_bytes == 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# The search at scale (issue 40, p04): many splits simulated at once, with progress
+
+
+@pytest.mark.parametrize(
+    ("schedule", "ranks", "m", "p2p"),
+    [("dualpipev", 4, 12, 0.25), ("zbv", 3, 7, 0.0), ("1f1b", 5, 9, 0.5)],
+)
+def test_splits_simulated_together_take_exactly_the_dataflow_timing(
+    schedule, ranks, m, p2p
+) -> None:
+    from graphpipe.planner import _Model
+
+    rnd = random.Random(ranks)
+    layers = [
+        LayerCost(rnd.uniform(0.5, 2), rnd.uniform(0.5, 2), rnd.uniform(0.2, 2), rnd.uniform(1, 3))
+        for _ in range(20)
+    ]
+    kind = SCHEDULES[schedule]
+    model = _Model(kind, ranks, m, layers, LAYER, LAYER_2, p2p, 0)
+    stages = kind.num_stages(ranks)
+    splits = rnd.sample(_every_split(20, stages), 40)
+    vecs = model.stage_vectors_batch(np.asarray(splits))
+    batch = model.makespan_batch(vecs)
+    assert batch.tolist() == [model.makespan(v) for v in vecs]  # to the last bit
+
+
+def test_progress_reports_the_best_step_and_a_bound_no_split_beats() -> None:
+    from graphpipe.planner import PlanProgress
+
+    rnd = random.Random(0)
+    layers = [LayerCost(rnd.uniform(1, 2), rnd.uniform(1, 2), rnd.uniform(1, 2)) for _ in range(40)]
+    seen: list[PlanProgress] = []
+    plan = plan_stages(
+        layers, 16, num_microbatches=32, last_costs=LayerCost(6, 6, 6), progress=seen.append
+    )
+    assert seen and all(p.schedule == "dualpipev" and p.num_microbatches == 32 for p in seen)
+    assert [p.simulations for p in seen] == sorted(p.simulations for p in seen)
+    assert seen[-1].best_step_s == plan.predicted_step_s
+    assert all(p.bound_s <= plan.predicted_step_s for p in seen)
+    assert seen[-1].bound_s > 0.5 * plan.predicted_step_s
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_split_beats_the_bound_progress_reports(seed: int) -> None:
+    from graphpipe.planner import _Model
+
+    rnd = random.Random(seed)
+    schedule = ("dualpipev", "zbv", "1f1b")[seed % 3]
+    kind = SCHEDULES[schedule]
+    ranks = 1 + seed % 3
+    stages = kind.num_stages(ranks)
+    n_layers = rnd.randint(max(stages - 2, 0), 7)
+    layers = [
+        LayerCost(
+            rnd.uniform(0, 2),
+            rnd.uniform(0, 2),
+            rnd.uniform(0, 2),
+            backward=rnd.choice([None, rnd.uniform(0, 4)]),
+        )
+        for _ in range(n_layers)
+    ]
+    head = LayerCost(rnd.uniform(0, 8), rnd.uniform(0, 8), rnd.uniform(0, 8), backward=3.0)
+    model = _Model(kind, ranks, 2 * ranks + 2, layers, LAYER, head, 0.25 * (seed % 2), 0)
+    bound = model.step_bound()
+    steps = [model.makespan(model.stage_vectors(c)) for c in _every_split(n_layers, stages)]
+    assert bound <= min(steps) * (1 + 1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing among plans (issue 38): a stated rule, the reason printed with the numbers
+
+
+def _plan_of(schedule: str, step: float, peak: int, even_peak: int | None = None) -> StagePlan:
+    costs = (Costs(),) * 4
+    even = peak if even_peak is None else even_peak
+    split = (1, 1, 1, 1)
+    return StagePlan(
+        schedule, 2, 8, split, step, costs, (peak,) * 2, split, step, costs, (even,) * 2
+    )
+
+
+def test_choose_plan_takes_what_holds_least_within_the_tie_margin() -> None:
+    from graphpipe.planner import choose_plan
+
+    zbv, dualpipev = _plan_of("zbv", 1.00, 2**20), _plan_of("dualpipev", 0.99, 2**21)
+    # DualPipeV is 1% faster: strictly the fastest, but within a 3% margin of ZB-V
+    assert choose_plan([zbv, dualpipev]).schedule == "dualpipev"
+    chosen = choose_plan([dualpipev, zbv], tie_margin=0.03)
+    assert chosen.schedule == "zbv"  # in either order: the rule does not depend on it
+    assert choose_plan([zbv, dualpipev], tie_margin=0.03).schedule == "zbv"
+    assert chosen.choice() == (
+        "of the 2 within the 3% tie margin of the fastest, the least memory on the even split"
+    )
+    text = chosen.format()
+    assert "chosen: zbv with 8 micro-batches, of the 2 within the 3% tie margin" in text
+    assert "dualpipev, 8 micro-batches" in text and "-1.0%" in text
+    far = _plan_of("dualpipev", 0.9, 2**21)
+    assert choose_plan([zbv, far], tie_margin=0.03).choice() == (
+        "the fastest, by more than the 3% tie margin"
+    )
+    # the even split's bytes decide before the plan's own (those follow the measured costs)
+    a, b = _plan_of("zbv", 1.0, 2**22, even_peak=2**20), _plan_of("dualpipev", 1.0, 2**21, 2**21)
+    assert choose_plan([b, a], tie_margin=0.03).schedule == "zbv"
+
+
+def test_auto_with_a_margin_prefers_the_schedule_that_holds_less() -> None:
+    # a full backward cheaper than I + W: DualPipeV (mostly B) is 12% faster than ZB-V (all
+    # I and W), and holds more activations
+    layer = LayerCost(1.0, 1.0, 1.0, backward=1.5, activation_bytes=10, weight_grad_bytes=5)
+    plans = {s: plan_stages([layer] * 8, 4, num_microbatches=8, schedule=s) for s in AUTO_SCHEDULES}
+    assert plans["dualpipev"].predicted_step_s < plans["zbv"].predicted_step_s
+    assert max(plans["dualpipev"].even_peak_memory_bytes) > max(plans["zbv"].even_peak_memory_bytes)
+    fastest = plan_stages([layer] * 8, 4, num_microbatches=8, schedule="auto")
+    assert fastest.schedule == "dualpipev" and fastest.choice() == "the fastest"
+    tied = plan_stages([layer] * 8, 4, num_microbatches=8, schedule="auto", tie_margin=0.2)
+    assert tied.schedule == "zbv"
+    assert {c.schedule for c in tied.candidates} == set(AUTO_SCHEDULES)
+    assert tied.tie_margin == 0.2 and tied.as_dict()["candidates"][0]["schedule"] == "dualpipev"
+
+
+def test_the_memory_check_stays_exact_where_the_splits_are_astronomically_many() -> None:
+    # 160 layers over 40 stages: the ways to a position run past 1e30, where counting them in
+    # floating point lost the small counts beside the large ones (1.2 million splits fitting
+    # a budget none fits, positions marked reachable that were not). They are counted in
+    # integers up to _MANY (saturating).
+    from graphpipe.planner import _MANY, _Fitting, _Model
+
+    rnd = random.Random(0)
+    layers = [
+        LayerCost(
+            1,
+            1,
+            1,
+            activation_bytes=rnd.randint(10**6, 2 * 10**6),
+            weight_grad_bytes=rnd.randint(10**5, 10**6),
+            parameter_bytes=rnd.randint(10**7, 2 * 10**7),
+        )
+        for _ in range(160)
+    ]
+    first = LayerCost(1, 1, 1, parameter_bytes=10**8)
+    last = LayerCost(6, 6, 6, activation_bytes=10**7, parameter_bytes=10**8)
+    model = _Model(SCHEDULES["dualpipev"], 20, 80, layers, first, last, 0.0, 0)
+    # the least budget any split fits (bisection with this check): the 243 splits that fit
+    # it hold exactly that on their fullest rank, by the peaks' own accounting
+    least = 284_940_362
+    assert _Fitting(model, least - 1).count == 0
+    assert _Fitting(model, least - 1).splits(1) == []
+    fitting = _Fitting(model, least)
+    assert fitting.count == 243
+    found = fitting.splits(1000)
+    assert len({tuple(c) for c in found}) == 243
+    vecs = model.stage_vectors_batch(np.asarray(found))
+    assert (model.peaks_batch(vecs).max(axis=1) == least).all()
+    assert _Fitting(model, least + 10**6).count == _MANY

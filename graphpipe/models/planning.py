@@ -2,7 +2,9 @@
 ``graphpipe.plan_stages``.
 
 ``plan_hf_split(model, num_stages, input_ids=..., num_microbatches=M)`` plans a Hugging Face
-``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3: what ``split_hf_causal_lm`` takes);
+causal LM, any that ``split_hf_causal_lm`` takes (the families of
+``graphpipe.models.hf.SUPPORTED_MODEL_TYPES``, and others of their layouts that pass its
+probe);
 ``plan_llama_split(config, num_stages, tokens=..., num_microbatches=M)`` the built-in model.
 Both measure in this process, one piece at a time (``measure_stage``):
 
@@ -17,8 +19,12 @@ Both measure in this process, one piece at a time (``measure_stage``):
   the input gradient, in reverse, the weight-gradient GEMMs of every ``nn.Linear`` are
   deferred to ``W``). So a piece's backward finds its weights and activations pushed out of
   the caches by the other pieces, as in a step, and a slow spell of a shared machine falls
-  on all pieces alike. Per action the median round: the prediction is of a typical step
-  (``profiles/plan_check.py`` holds it against measured ones, docs/planning.md);
+  on all pieces alike. The gradients stay allocated from the warm-up on, so every backward
+  adds into them as every micro-batch of a step but the first does (the first only stores
+  its gradient: for an embedding of a large vocabulary that skips an add of the whole
+  table, which made its ``I`` look several times its ``B``). Per action the median round:
+  the prediction is of a typical step (``profiles/plan_check.py`` holds it against
+  measured ones, docs/planning.md);
 * on the CPU with as many intra-op threads as each rank of the pipeline will have
   (``rank_threads``: the cores over the ranks, as ``graphpipe.launch`` sets them);
 * memory: what autograd saves in the forward (tensors that are not parameters, each storage
@@ -28,24 +34,48 @@ Both measure in this process, one piece at a time (``measure_stage``):
 
 Each piece runs on a copy of its modules (``copy.deepcopy``), so the model's modules and
 gradients are left as they were. ``num_microbatches`` may be a list of candidates: each is
-measured on its own micro-batch shape and planned, and the fastest plan that fits
-``memory_budget`` is returned.
+measured on its own micro-batch shape and planned (under each of ``AUTO_SCHEDULES`` for
+``schedule="auto"``), and ``graphpipe.planner.choose_plan`` chooses among the plans that fit
+``memory_budget``: of those within ``tie_margin`` (``TIE_MARGIN``, 5%) of the fastest,
+the one that holds least on the even split (bytes measured from shapes: the same in every
+run), so that two runs on the same machine choose alike although their measured costs
+differ a little; the plan's ``candidates`` and ``choice()`` say what it was chosen among
+and why. A module whose weight gradient cannot be deferred to ``W``
+(``weightgrad.make_deferrable`` warns per module and piece) is named in one warning for the
+model when the schedule splits backwards into ``I`` and ``W``, and not at all under one
+that does not (1F1B: nothing is deferred there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphpipe.planner import LayerCost, MemoryBudgetExceeded, StagePlan, plan_stages
+from graphpipe.planner import (
+    AUTO_SCHEDULES,
+    LayerCost,
+    MemoryBudgetExceeded,
+    PlanProgress,
+    StagePlan,
+    choose_plan,
+    plan_stages,
+)
 
-__all__ = ["measure_stage", "plan_hf_split", "plan_llama_split", "rank_threads"]
+__all__ = ["TIE_MARGIN", "measure_stage", "plan_hf_split", "plan_llama_split", "rank_threads"]
+
+TIE_MARGIN = 0.05
+"""The default ``tie_margin`` of ``plan_hf_split`` and ``plan_llama_split``: plans whose
+predicted steps are within 5% of the fastest are tied (see docs/planning.md for how much
+measured predictions move between runs)."""
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
@@ -204,7 +234,10 @@ def _measure(pieces: list[_Piece], reps: int, threads: int | None = None) -> lis
                 piece.timed("I", piece._backward_input, keep)
             for piece in pieces:
                 piece.timed("W", piece._weight, keep)
-                piece.mod.zero_grad(set_to_none=True)
+                # the gradients stay allocated: every action after the warm-up adds into
+                # them, as every micro-batch of a step but the first does (the first only
+                # stores its own, which for an embedding's weight costs far less)
+                piece.mod.zero_grad(set_to_none=False)
         return [piece.cost() for piece in pieces]
     finally:
         torch.set_num_threads(before)
@@ -279,11 +312,64 @@ def _candidates(num_microbatches: int | Sequence[int], batch: int) -> list[int]:
     return values
 
 
-def _best(plans: list[StagePlan], refused: list[MemoryBudgetExceeded]) -> StagePlan:
-    """The fastest plan, or (none fits the budget) the refusal that comes closest."""
-    if plans:
-        return min(plans, key=lambda p: p.predicted_step_s)
-    raise min(refused, key=lambda e: e.shortfall)
+def _schedules(schedule: str, num_stages: int) -> list[str]:
+    """The schedules to plan for: ``schedule``, or ``AUTO_SCHEDULES`` for ``"auto"``."""
+    if schedule != "auto":
+        return [schedule]
+    if num_stages % 2:
+        raise ValueError(
+            f'schedule="auto" chooses among {", ".join(AUTO_SCHEDULES)}, which place two '
+            f"stages on each rank: num_stages={num_stages} is odd"
+        )
+    return list(AUTO_SCHEDULES)
+
+
+def _defers(schedules: list[str], num_stages: int, candidates: list[int]) -> bool:
+    """Whether any of ``schedules`` splits a backward into I and W for any of the
+    micro-batch counts (sizes a schedule refuses count as not)."""
+    from graphpipe import packed
+    from graphpipe.schedules import SCHEDULES
+
+    for name in schedules:
+        kind = SCHEDULES.get(name)
+        if kind is None or num_stages % kind.stages_per_rank:
+            continue
+        for m in candidates:
+            try:
+                cells = kind.cells(num_stages // kind.stages_per_rank, m)
+            except ValueError:
+                continue
+            if (packed.op_of(cells.first[cells.first >= 0]) == packed.W).any():
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _deferral_warnings(model: nn.Module, deferred: bool) -> Iterator[None]:
+    """Around building the pieces: ``make_deferrable`` warns once per piece for every module
+    whose weight gradient it cannot defer to W. Under a schedule without W (1F1B) nothing is
+    deferred anyway: say nothing; under one that defers, one warning for the whole model.
+    Other warnings pass as they were."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    kinds: dict[str, int] = {}
+    for w in caught:
+        text = str(w.message)
+        found = re.match(r"graphpipe: \S+ \(([\w.]+)\) is not deferred", text)
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        else:
+            kinds[found[1]] = kinds.get(found[1], 0) + 1
+    if kinds and deferred:
+        names = ", ".join(f"{count} {cls.rsplit('.', 1)[-1]}" for cls, count in kinds.items())
+        warnings.warn(
+            f"graphpipe: {type(model).__name__}: modules whose weight gradients cannot be "
+            f"deferred to W ({names}, counted over the pieces measured) compute them during "
+            "I: the plan's I includes them, and the pipeline's I will too",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def plan_hf_split(
@@ -299,6 +385,8 @@ def plan_hf_split(
     reps: int = 3,
     p2p: float = 0.0,
     threads: int | None = None,
+    tie_margin: float = TIE_MARGIN,
+    progress: Callable[[PlanProgress], None] | None = None,
 ) -> StagePlan:
     """Measure a Hugging Face causal LM on one micro-batch of ``input_ids`` (``[B, T]``, the
     whole step's batch: a micro-batch is ``B / num_microbatches`` rows of it, with the same
@@ -308,6 +396,12 @@ def plan_hf_split(
     threads: torch's intra-op threads while measuring on the CPU (default ``rank_threads``:
     what each rank of the planned pipeline gets from ``graphpipe.launch`` on this machine,
     so that a piece costs what it will cost on its rank); restored afterwards.
+    tie_margin: with several candidates (``schedule="auto"``, several ``num_microbatches``),
+    the plans within this fraction of the fastest predicted step count as tied, and the one
+    that holds least on the even split wins (``graphpipe.planner.choose_plan``): measured
+    costs vary from run to run, and the choice should not follow the noise.
+    progress: passed to ``plan_stages`` (a ``PlanProgress`` after every batch of
+    simulations).
 
     Returns the ``StagePlan``; its ``layers_per_stage`` (``num_stages`` counts summing to
     ``config.num_hidden_layers``) is what ``split_hf_causal_lm(model, num_stages,
@@ -329,63 +423,76 @@ def plan_hf_split(
             )
     labels = input_ids if labels is None else labels
     threads = _threads(threads, input_ids.device, num_stages, schedule)
+    names = _schedules(schedule, num_stages)
+    candidates = _candidates(num_microbatches, input_ids.shape[0])
+    deferred = _defers(names, num_stages, candidates)
     plans: list[StagePlan] = []
-    refused: list[MemoryBudgetExceeded] = []
-    for m in _candidates(num_microbatches, input_ids.shape[0]):
+    for m in candidates:
         rows = input_ids.shape[0] // m
         ids, lab = input_ids[:rows], labels[:rows]
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask[:rows]}
         with torch.no_grad():
             hidden = pieces[0](ids, **kwargs)
-        parts = [_Piece(pieces[0], ids, kwargs, None, None)]
-        parts += [_Piece(piece, hidden, kwargs, None, None) for piece in pieces[1:-1]]
-        parts.append(
-            _Piece(
-                pieces[-1],
-                hidden,
-                kwargs,
-                lambda logits, lab=lab: causal_lm_loss(logits, lab),
-                None,
+        with _deferral_warnings(model, deferred and m == candidates[0]):
+            parts = [_Piece(pieces[0], ids, kwargs, None, None)]
+            parts += [_Piece(piece, hidden, kwargs, None, None) for piece in pieces[1:-1]]
+            parts.append(
+                _Piece(
+                    pieces[-1],
+                    hidden,
+                    kwargs,
+                    lambda logits, lab=lab: causal_lm_loss(logits, lab),
+                    None,
+                )
             )
-        )
         first, *layers, last = _measure(parts, reps, threads)
-        _plan_one(
-            plans, refused, layers, first, last, pieces, num_stages, m, schedule, memory_budget, p2p
+        plans += _plan_one(
+            layers, first, last, pieces, num_stages, m, names, memory_budget, p2p, progress
         )
-    return _best(plans, refused)
+    return choose_plan(plans, tie_margin=tie_margin)
 
 
 def _plan_one(
-    plans: list[StagePlan],
-    refused: list[MemoryBudgetExceeded],
     layers: list[LayerCost],
     first: LayerCost,
     last: LayerCost,
     pieces: list[nn.Module],
     num_stages: int,
     m: int,
-    schedule: str,
+    schedules: list[str],
     memory_budget: float | None,
     p2p: float,
-) -> None:
-    """``plan_stages`` of the measured costs for ``m`` micro-batches: the plan into ``plans``,
-    or a budget refusal into ``refused``."""
-    try:
-        plans.append(
-            plan_stages(
-                layers,
-                num_stages,
-                num_microbatches=m,
-                schedule=schedule,
-                first_costs=first,
-                last_costs=last,
-                memory_budget=memory_budget,
-                p2p=p2p,
-                tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
+    progress: Callable[[PlanProgress], None] | None,
+) -> list[StagePlan]:
+    """``plan_stages`` of the measured costs for ``m`` micro-batches under each of
+    ``schedules``: the plans (a budget refusal gives its closest plan, which does not fit;
+    with several schedules, one whose sizes do not run is left out)."""
+    out, refused = [], []
+    for name in schedules:
+        try:
+            out.append(
+                plan_stages(
+                    layers,
+                    num_stages,
+                    num_microbatches=m,
+                    schedule=name,
+                    first_costs=first,
+                    last_costs=last,
+                    memory_budget=memory_budget,
+                    p2p=p2p,
+                    tied_parameter_bytes=_shared_bytes(pieces[0], pieces[-1]),
+                    progress=progress,
+                )
             )
-        )
-    except MemoryBudgetExceeded as e:
-        refused.append(e)
+        except MemoryBudgetExceeded as e:
+            out.append(e.closest)
+        except ValueError as e:  # the schedule's own sizes (DualPipeV: M >= 2N)
+            if len(schedules) == 1:
+                raise
+            refused.append(f"{name}: {e}")
+    if not out:
+        raise ValueError('schedule="auto": no schedule runs here: ' + "; ".join(refused))
+    return out
 
 
 def _shared_bytes(a: nn.Module, b: nn.Module) -> int:
@@ -418,6 +525,8 @@ def plan_llama_split(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    tie_margin: float = TIE_MARGIN,
+    progress: Callable[[PlanProgress], None] | None = None,
 ) -> StagePlan:
     """``plan_hf_split`` for the built-in model of ``config`` (a ``LlamaConfig``; built here
     with ``seed`` and ``dtype`` on ``device``, default ``tokens``' device): ``tokens``
@@ -449,23 +558,28 @@ def plan_llama_split(
         layers_per_stage=[0] + [1] * n + [0],
     )
     loss_fn = LlamaLoss(config.use_kernels)
+    names = _schedules(schedule, num_stages)
+    candidates = _candidates(num_microbatches, tokens.shape[0])
+    deferred = _defers(names, num_stages, candidates)
     plans: list[StagePlan] = []
-    refused: list[MemoryBudgetExceeded] = []
-    for m in _candidates(num_microbatches, tokens.shape[0]):
+    for m in candidates:
         rows = tokens.shape[0] // m
         x = labels = tokens[:rows]  # the loss's cost does not depend on the labels' values
         with torch.no_grad():
             hidden = pieces[0](x)
-        parts = [_Piece(pieces[0], x, None, None, None)]
-        parts += [_Piece(piece, hidden, None, None, None) for piece in pieces[1:-1]]
-        parts.append(
-            _Piece(pieces[-1], hidden, None, lambda out, labels=labels: loss_fn(out, labels), None)
-        )
+        with _deferral_warnings(pieces[0], deferred and m == candidates[0]):
+            parts = [_Piece(pieces[0], x, None, None, None)]
+            parts += [_Piece(piece, hidden, None, None, None) for piece in pieces[1:-1]]
+            parts.append(
+                _Piece(
+                    pieces[-1], hidden, None, lambda out, labels=labels: loss_fn(out, labels), None
+                )
+            )
         first, *layers, last = _measure(parts, reps, threads)
-        _plan_one(
-            plans, refused, layers, first, last, pieces, num_stages, m, schedule, memory_budget, p2p
+        plans += _plan_one(
+            layers, first, last, pieces, num_stages, m, names, memory_budget, p2p, progress
         )
-    return _best(plans, refused)
+    return choose_plan(plans, tie_margin=tie_margin)
 
 
 def _shape(value: object) -> str:
