@@ -70,6 +70,7 @@ __all__ = [
     "comms_produced",
     "decode_programs",
     "forward_only",
+    "in_send_order",
     "lower",
     "lower_cells",
     "matching",
@@ -416,10 +417,12 @@ def post_receives_early(
 
 
 def post_receives_early_cells(
-    programs: Programs, placement: Placement, times: CellTimes | None
+    programs: Programs, placement: Placement, times: CellTimes | None, *, stay: bool = False
 ) -> Programs:
     """``post_receives_early`` on ``Programs``, timed by ``times`` (``timing.cell_times`` of
-    the programs' steps); ``times=None`` posts every receive at the start.
+    the programs' steps); ``times=None`` posts every receive at the start. ``stay``: every
+    receive stays in its batch (``times`` is not read) but for the send order per directed
+    rank pair (``in_send_order``).
 
     Works a chunk of ranks at a time (``Programs.chunks``): what a receive needs from other
     ranks is where its matching send is posted, looked up in one table of all sends.
@@ -467,7 +470,9 @@ def post_receives_early_cells(
         sent_key = np.where(sent_key >= 0, sent_key, distinct * widest)
         # where each receive goes: the last batch issued no later than its data is sent
         where = local[recv]
-        if times is None:
+        if stay:
+            pass  # each in its own batch; the send order below moves some earlier
+        elif times is None:
             where[:] = 0
         else:
             ready = times.done[np.where(forward, r_key - mb, r_key + mb) * 2 + ~forward]
@@ -501,6 +506,29 @@ def post_receives_early_cells(
         counts.append(np.bincount(new_step - g0, minlength=g1 - g0))
     comm_offsets = packed.offsets_of(np.concatenate(counts or [np.zeros(0, np.int64)]))
     return Programs(steps, comm_offsets, np.concatenate(new_codes or [codes[:0]]))
+
+
+def in_send_order(
+    lowered: Mapping[int, Sequence[Step]], placement: Placement
+) -> dict[int, list[Step]]:
+    """``lowered`` with each directed rank pair's receives posted in the order its messages
+    are sent: a receive posted after the receive of a message sent later moves up to that
+    receive's batch; every other receive stays where it is (sends never move, receives only
+    move earlier). Each batch is then its sends, and its receives by the sender's (step,
+    place in its batch), as ``post_receives_early`` orders them.
+
+    What the runtime runs for ``receives="plain"``: under the plain rule alone a rank pair that
+    carries two channels (the forward of one stage and the backward of another, as every rank
+    pair of a V schedule does: ZB-V from 2 ranks, DualPipeV from 3) may read its messages in
+    another order than they are sent, and a rank pair is one FIFO of messages, grouped into
+    transfers the same way at both ends (``transfers``). Moving a receive earlier changes no
+    data a compute reads: the message it waits for is sent where it was. A program whose pairs
+    are received in send order already keeps every comm in its batch (only the order of the
+    receives within a batch may change).
+    """
+    programs, computes = packed.encode_lowered(lowered)
+    moved = post_receives_early_cells(programs, placement, None, stay=True)
+    return decode_programs(moved, [c for c in computes if c is not None])
 
 
 # --------------------------------------------------------------------------------------------

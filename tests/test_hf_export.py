@@ -187,3 +187,32 @@ def test_every_family_exports_to_from_pretrained_with_its_weights(tmp_path: Path
     assert list(back.state_dict()) == list(model.state_dict())
     for key, value in model.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize(
+    ("dtype", "named"),
+    [
+        (torch.int8, "torch.int8"),
+        (torch.complex64, "torch.complex64"),
+        (torch.bool, "torch.bool"),
+        ("int8", "'int8'"),
+        ("complex64", "'complex64'"),
+        ("Tensor", "'Tensor'"),
+    ],
+)
+def test_a_dtype_that_is_not_floating_is_refused_naming_it(
+    tmp_path: Path, capsys, dtype, named
+) -> None:
+    # Refused before the checkpoint is read (there is none here): no load_state_dict lines,
+    # no bare StopIteration, the output directory not created.
+    cfg = config("llama", tied=False)
+    broken = tmp_path / "ckpt" / "step-00000001"
+    broken.mkdir(parents=True)
+    with pytest.raises(ValueError) as info:
+        export_hf_model(broken, tmp_path / "out", cfg, dtype=dtype)
+    assert str(info.value) == (
+        f"export_hf_model: dtype must be a floating torch dtype (float32, bfloat16, ...), got "
+        f"{named}"
+    )
+    assert capsys.readouterr() == ("", "")
+    assert not (tmp_path / "out").exists()

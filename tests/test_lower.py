@@ -13,6 +13,7 @@ from graphpipe.lower import (
     comms_needed,
     comms_produced,
     forward_only,
+    in_send_order,
     lower,
     matching,
     peer,
@@ -153,7 +154,14 @@ def test_every_rank_pair_receives_in_the_order_it_sends(name, n, m) -> None:
     assert sent == got
 
 
-@pytest.mark.parametrize("receives", ["timed", "start"])
+def _as_the_runtime_lowers(schedule, placement, receives: str):
+    """What ``Pipeline(receives=...)`` runs: ``receives="plain"`` in each rank pair's send
+    order (``in_send_order``)."""
+    lowered = lower(schedule, placement, receives=receives)
+    return in_send_order(lowered, placement) if receives == "plain" else lowered
+
+
+@pytest.mark.parametrize("receives", ["timed", "start", "plain"])
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("n", range(2, 9))
 def test_transfers_are_grouped_the_same_at_both_ends(name: str, n: int, receives: str) -> None:
@@ -161,7 +169,7 @@ def test_transfers_are_grouped_the_same_at_both_ends(name: str, n: int, receives
     # ops are grouped differently at the two ends undefined (NVIDIA/nccl#1279).
     for m in sorted({2 * n, 2 * n + 1, 3 * n + 2, 20}):
         schedule, placement = SCHEDULES[name](n, m)
-        lowered = lower(schedule, placement, receives=receives)
+        lowered = _as_the_runtime_lowers(schedule, placement, receives)
         found = transfers(lowered, placement)
         seen: Counter = Counter()
         for t in found:
@@ -183,6 +191,58 @@ def test_transfers_are_grouped_the_same_at_both_ends(name: str, n: int, receives
             assert [t.index for t in ts] == list(range(len(ts)))
             keys = [(t.send_step, t.recv_step) for t in ts]
             assert keys == sorted(set(keys))
+
+
+@pytest.mark.parametrize(("name", "n", "m"), CASES)
+def test_in_send_order_moves_only_the_receives_a_rank_pair_reads_out_of_send_order(
+    name, n, m
+) -> None:
+    # Issue 40 (c05, c06): receives="plain" on ZB-V (2+ ranks) and DualPipeV (3+ ranks) was
+    # refused with "messages are sent as [...] but received as [...]": their rank pairs carry
+    # two channels, read in another order than sent.
+    schedule, placement, plain = _lowered(name, n, m, receives="plain")
+    ordered = in_send_order(plain, placement)
+    for rank in plain:
+        assert [s.compute for s in ordered[rank]] == [s.compute for s in plain[rank]]
+        where = {}
+        for lowered, tag in ((plain, "plain"), (ordered, "ordered")):
+            for k, step in enumerate(lowered[rank]):
+                for c in step.comms:
+                    where[(tag, c)] = k
+                sends = [c.op in SENDS for c in step.comms]
+                assert sends == sorted(sends, reverse=True)  # sends first, then receives
+        comms = [c for tag, c in where if tag == "plain"]
+        assert Counter(c for tag, c in where if tag == "ordered") == Counter(comms)
+        for c in comms:
+            moved = where[("ordered", c)] - where[("plain", c)]
+            assert moved == 0 if c.op in SENDS else moved <= 0
+    # received in send order on every rank pair, so transfers group both ends alike
+    sent, got = defaultdict(list), defaultdict(list)
+    for rank, steps in ordered.items():
+        for k, step in enumerate(steps):
+            for c in step.comms:
+                if c.op in SENDS:
+                    sent[(rank, peer(c, placement))].append(matching(c))
+                else:
+                    got[(peer(c, placement), rank)].append((c, k))
+    for edge, recvs in got.items():
+        assert [c for c, _ in recvs] == sent[edge], edge
+        # a receive moved only as far as the next one in send order: each is in the batch
+        # the plain rule gives it, or in the batch of a message sent after it
+        plain_at = [_plain_step(plain, edge[1], c) for c, _ in recvs]
+        for i, (c, k) in enumerate(recvs):
+            assert k == min(plain_at[i:]), (edge, str(c))
+    transfers(ordered, placement)
+    assert simulate(ordered, placement, Costs()).makespan >= dataflow(schedule, placement).makespan
+    one_channel = name == "1f1b" or n == 1 or (name == "dualpipev" and n == 2)
+    if one_channel:  # already in send order: every comm stays in its batch
+        for rank in plain:
+            for a, b in zip(plain[rank], ordered[rank], strict=True):
+                assert Counter(a.comms) == Counter(b.comms)
+
+
+def _plain_step(lowered, rank: int, comm: Action) -> int:
+    return next(k for k, s in enumerate(lowered[rank]) if comm in s.comms)
 
 
 def test_transfers_reject_a_rank_pair_received_out_of_order() -> None:

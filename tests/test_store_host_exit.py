@@ -98,3 +98,82 @@ def test_the_store_hosts_exit_waits_until_its_peer_read_its_error(tmp_path):
     assert procs[1].returncode == 3, outs[1]
     assert "PEER-ERROR: the step failed on rank 0 at" in outs[1][0], outs[1]
     assert "ValueError: injected loss fault" in outs[1][0], outs[1]
+
+
+# ------------------------------------------------------------------ at construction
+BUILD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import time
+    import torch
+    import torch.distributed as dist
+    import graphpipe
+    from tests.pipeline_models import build_stages, local_stages, mse
+
+    CASE = sys.argv[1]
+    T = 3.0  # the pipeline timeout (seconds)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mine = local_stages(build_stages(4), rank, 2)
+    opt = None
+    if rank == 1:  # builds late: rank 0 has given up (or refused) and ended by then
+        time.sleep(T + 5.0)
+    elif CASE == "refused":  # capture_optimizer without capture: refused on rank 0 only
+        opt = torch.optim.SGD(mine[0].parameters(), lr=0.1)
+    try:
+        graphpipe.DualPipeV(
+            mine, num_microbatches=4, loss_fn=mse, timeout=T, capture_optimizer=opt
+        )
+    except graphpipe.PipelineError as e:
+        if rank == 0 and CASE == "late":
+            raise  # rank 0's own error ends its process
+        print("PEER-ERROR:", str(e).splitlines()[0], flush=True)
+        sys.exit(3)
+    print("no error", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("case", ["late", "refused"])
+def test_the_store_hosts_exit_after_a_failed_construction_waits_for_a_late_peer(tmp_path, case):
+    # Issue 40: rank 0 gives up on a peer that starts late (or refuses its own arguments) and
+    # its exception ends its process, the job's store with it: the late peer could only say
+    # that the store is gone. Its exit now waits until the peers have read why.
+    script = tmp_path / "build.py"
+    script.write_text(BUILD_SCRIPT)
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=root,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), case],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert procs[0].returncode == 1, outs[0]  # rank 0's own exception ends its process
+    assert procs[1].returncode == 3, outs[1]
+    if case == "late":
+        assert "PipelineError: rank 1 did not join the pipeline within 3 s" in outs[0][1]
+        assert outs[1][0].startswith(
+            "PEER-ERROR: rank 1 did not join the pipeline within 3 s (rank 0 gave up waiting "
+            "for it); this rank (rank 1) came later"
+        ), outs[1]
+    else:
+        assert "ValueError: capture_optimizer needs capture=True" in outs[0][1]
+        assert outs[1][0].startswith(
+            "PEER-ERROR: rank 0 could not build the pipeline: ValueError: capture_optimizer "
+            "needs capture=True"
+        ), outs[1]

@@ -1,13 +1,18 @@
 """graphpipe.integrations.torch_pipelining against torch's own schedules on the same stages:
-the same losses, outputs and gradients (float64), on spawned gloo ranks; and its refusals."""
+the same losses, outputs and gradients (float64), on spawned gloo ranks; and its refusals.
+
+Runs with every torch that pyproject.toml admits (2.11 on). Where torch's own reference needs a
+version-specific hand, ``_reference_stages`` and ``_reference_loss`` say which and why."""
 
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -42,9 +47,17 @@ class Block(nn.Module):
         return h if shift is None else h + shift
 
 
-def build(num_stages: int) -> list[nn.Module]:
+class Plain(Block):
+    """A stage that takes no keyword (Block's parameters, drawn alike)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def build(num_stages: int, plain: tuple[int, ...] = ()) -> list[nn.Module]:
+    """The stages, ``plain`` ones taking no keyword (the same parameters either way)."""
     torch.manual_seed(0)
-    return [Block().double() for _ in range(num_stages)]
+    return [(Plain if i in plain else Block)().double() for i in range(num_stages)]
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,29 +79,89 @@ def _placement(kind: str, rank: int, world: int) -> list[int]:
     return [rank]
 
 
+def _reference_stages(stages: list) -> list:
+    """torch's stages for a reference run, without the first step's P2P warm-up to their own
+    rank. torch 2.11's multi-stage schedules warm P2P up at the first step
+    (``PipelineScheduleMulti._initialize_stages``) with a send and a receive to each
+    neighbour stage (``_get_init_p2p_neighbors_ops``), also where that neighbour is on the
+    same rank, as in a V placement (rank N-1 holds stages N-1 and N): a send to the rank
+    itself, which gloo cannot carry (its TCP pair to itself is never connected: "Pair is not
+    connected", tcp/pair.cc, in torch 2.11.0 and 2.13.0 alike; NCCL can). So torch 2.11.0's
+    ScheduleDualPipeV and ScheduleZBVZeroBubble fail on any gloo job. The warm-up's values
+    are never read: the reference drops those ops. torch 2.13.0 warms up by another protocol
+    that does not call this method."""
+    for stage in stages:
+        ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+        if ops is None:
+            continue
+        me = dist.get_rank(stage.group)
+
+        def without_self(ops=ops, me=me) -> list:
+            return [op for op in ops() if op.group_peer != me]
+
+        stage._get_init_p2p_neighbors_ops = without_self
+    return stages
+
+
+# torch 2.11's step takes no loss_kwargs (torch 2.13's does): the reference then binds them
+# into its loss_fn, which computes the same.
+TORCH_LOSS_KWARGS = "loss_kwargs" in inspect.signature(pipelining.Schedule1F1B.step).parameters
+
+
+def _reference_loss(impl: str) -> tuple:
+    """``(loss_fn, bind)``: ``bind(loss_kwargs)`` returns the keyword arguments of the next
+    ``step`` (``loss_kwargs=`` where the schedule takes it, else none, the values bound into
+    ``loss_fn``)."""
+    if impl == "graphpipe" or TORCH_LOSS_KWARGS:
+        return mse, lambda lkw: {"loss_kwargs": lkw} if lkw is not None else {}
+    bound: dict = {}
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mse(out, target, **bound)
+
+    def bind(lkw: dict | None) -> dict:
+        bound.clear()
+        bound.update(lkw or {})
+        return {}
+
+    return loss_fn, bind
+
+
 def _run(rank: int, world: int, kind: str, impl: str, case: dict) -> dict:
-    """Two training steps (and an eval) with torch's schedule ``kind`` or graphpipe's."""
+    """Two training steps (and an eval) with torch's schedule ``kind`` or graphpipe's.
+
+    ``case["kwargs"]``: False, True (every rank passes ``shift``) or ``"first"`` (only the
+    rank of stage 0 does, as torch's tests do; the other ranks' stages take no keyword)."""
     ids = _placement(kind, rank, world)
     num_stages = 2 * world if len(ids) == 2 else world
-    modules = build(num_stages)
+    first, last = 0 in ids, num_stages - 1 in ids
+    plain: tuple[int, ...] = ()
+    if case["kwargs"] == "first":
+        plain = tuple(i for i in range(num_stages) if i not in _placement(kind, 0, world))
+    modules = build(num_stages, plain)
     mine = [modules[i] for i in ids]
     stages = [
         pipelining.PipelineStage(mod, i, num_stages, torch.device("cpu"))
         for mod, i in zip(mine, ids, strict=True)
     ]
+    if impl == "torch":
+        stages = _reference_stages(stages)
     cls = getattr(pipelining if impl == "torch" else gp_pp, kind)
-    arg = stages if len(ids) == 2 else stages[0]
+    # As torchtitan dispatches on torch's class hierarchy (graphpipe's classes are in it).
+    arg = stages[0] if issubclass(cls, pipelining.schedules.PipelineScheduleSingle) else stages
     extra = case.get("options", {}) if impl == "graphpipe" else {}
-    sched = cls(arg, n_microbatches=case["m"], loss_fn=mse, scale_grads=case["scale"], **extra)
-    first, last = 0 in ids, num_stages - 1 in ids
+    loss_fn, bind = _reference_loss(impl)
+    sched = cls(arg, n_microbatches=case["m"], loss_fn=loss_fn, scale_grads=case["scale"], **extra)
+    passes = case["kwargs"] is True or (case["kwargs"] == "first" and first)
     out: dict = {"losses": [], "outputs": [], "grads": [], "eval": None}
     for step in range(case["steps"]):
         x, y, shift = batch(step)
         for mod in mine:
             mod.zero_grad()
-        kwargs = {"shift": shift} if case["kwargs"] else {}
+        kwargs = {"shift": shift} if passes else {}
+        lkw = None
         if case["loss_kwargs"]:
-            kwargs["loss_kwargs"] = {"weight": torch.tensor(0.5 + step, dtype=torch.float64)}
+            lkw = {"weight": torch.tensor(0.5 + step, dtype=torch.float64)}
         losses: list = []
         args = (x,) if first else ()
         r = sched.step(
@@ -96,6 +169,7 @@ def _run(rank: int, world: int, kind: str, impl: str, case: dict) -> dict:
             target=y if last else None,
             losses=losses if last else None,
             return_outputs=case["outputs"],
+            **bind(lkw),
             **kwargs,
         )
         out["losses"].append([float(v.detach()) for v in losses])
@@ -104,7 +178,8 @@ def _run(rank: int, world: int, kind: str, impl: str, case: dict) -> dict:
     if case["eval"]:
         x, y, shift = batch(7)
         losses = []
-        kw = {"shift": shift} if case["kwargs"] else {}
+        kw = {"shift": shift} if passes else {}
+        bind(None)  # torch's eval calls loss_fn(output, target)
         r = sched.eval(*((x,) if first else ()), target=y if last else None, losses=losses, **kw)
         out["eval"] = (r, [float(v) for v in losses])
     if impl == "graphpipe":
@@ -195,6 +270,92 @@ def test_captured_dualpipev_equals_torchs() -> None:
     _compare("ScheduleDualPipeV", case)
 
 
+@pytest.mark.parametrize("kind", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_keywords_on_the_first_stages_rank_only_equal_torchs(kind: str) -> None:
+    """``step(x, shift=s)`` on the rank of stage 0, ``step()`` elsewhere (torch's tests and
+    tutorials): torch gives ``shift`` to that rank's stages only (for DualPipeV stages 0 and
+    3), and so does graphpipe. (No eval for DualPipeV: see the test above.)"""
+    _compare(kind, {**BASE, "kwargs": "first", "eval": kind == "Schedule1F1B"})
+
+
+def _keyword_on_one_rank(rank: int, world: int, options: dict) -> str:
+    """Every stage takes ``shift``; only rank 0 passes it (torch runs stage 1 without it)."""
+    modules = build(2)
+    stage = pipelining.PipelineStage(modules[rank], rank, 2, torch.device("cpu"))
+    sched = gp_pp.Schedule1F1B(stage, 4, mse, **options)
+    x, y, shift = batch(0)
+    try:
+        if rank == 0:
+            sched.step(x, shift=shift)
+        else:
+            sched.step(target=y)
+    except ValueError as e:
+        return str(e)
+    finally:
+        sched.close()
+    return "ran"
+
+
+def test_a_keyword_a_rank_lacks_while_its_stage_takes_it_is_refused_on_every_rank() -> None:
+    got = run_ranks(_keyword_on_one_rank, 2, {})
+    for text in got:
+        assert text.startswith(
+            "keyword tensor 'shift' was passed on rank(s) [0] but not on rank 1, whose stage "
+            "1 takes it: torch gives each rank's keyword arguments to that rank's stages only"
+        ), text
+
+
+def _refused_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 0 passes ``arg_mbs`` of 3 entries for M=4; rank 1 calls ``step()``. Then both
+    run a valid step on the same batch."""
+    ids = [rank, 3 - rank]
+    modules = build(4)
+    stages = [pipelining.PipelineStage(modules[i], i, 4, torch.device("cpu")) for i in ids]
+    # A short timeout: without the agreement, rank 1's second step waits for a rank 0 that
+    # is done, and this fails when that wait ends.
+    sched = gp_pp.ScheduleDualPipeV(stages, 4, mse, timeout=20)
+    x, y, _ = batch(0)
+    out: dict = {}
+    try:
+        if rank == 0:
+            sched.step(arg_mbs=[(c,) for c in x.chunk(4)][:3], target=y)
+        else:
+            sched.step()
+        out["refused"] = "returned"
+    except Exception as e:
+        out["refused"] = f"{type(e).__name__}: {e}"
+    losses: list = []
+    sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None, losses=losses)
+    out["losses"] = [float(v) for v in losses]
+    sched.close()
+    return out
+
+
+def test_arguments_refused_on_one_rank_raise_on_every_rank_before_any_runs_the_step() -> None:
+    """A check that fails on one rank (t18) raises on every rank, and no rank runs that
+    step: rank 1 must not pair its step with rank 0's next one. The next step on both ranks
+    is then exact (the four micro-batches through the modules alone)."""
+    got = run_ranks(_refused_on_one_rank, 2, timeout=120)
+    why = "ValueError: arg_mbs must be a list of n_microbatches=4 entries, got 3"
+    assert got[0]["refused"] == why
+    assert got[1]["refused"] == (
+        f"PipelineError: ScheduleDualPipeV: rank 0 refused the arguments of this step() "
+        f"({why}); no rank ran it"
+    )
+    modules = build(4)
+    x, y, _ = batch(0)
+    want = []
+    with torch.no_grad():
+        for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+            for mod in modules:
+                xm = mod(xm)
+            want.append(float(mse(xm, ym)))
+    torch.testing.assert_close(
+        torch.tensor(got[0]["losses"]), torch.tensor(want), rtol=RTOL, atol=ATOL
+    )
+    assert got[1]["losses"] == []
+
+
 # ------------------------------------------------------------------ refusals (one process)
 def _fake(index: int, num_stages: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(submod=Block().double(), stage_index=index, num_stages=num_stages)
@@ -260,6 +421,48 @@ def test_one_process_dualpipev_trains_like_the_modules_alone() -> None:
     sched.close()
 
 
+@pytest.mark.parametrize("cls", ["ScheduleDualPipeV", "Schedule1F1B", "PipelineSchedule"])
+def test_a_microbatch_count_that_is_not_an_int_is_refused_naming_it(cls: str) -> None:
+    """t19: ``n_microbatches=4.0`` failed inside numpy ("ufunc 'left_shift' not supported")."""
+    stages = [_fake(0, 2), _fake(1, 2)] if cls != "Schedule1F1B" else _fake(0, 1)
+    for bad in (4.0, True, "4"):
+        with pytest.raises(
+            TypeError, match=rf"^{cls}: n_microbatches must be an int, got \w+ {bad!r}$"
+        ):
+            getattr(gp_pp, cls)(stages, bad, mse)
+
+
+def test_classes_sit_in_torchs_hierarchy_single_ones_take_a_stage_or_a_list() -> None:
+    """Code that dispatches on torch's classes (torchtitan: ``issubclass(cls,
+    PipelineScheduleSingle)``, ``issubclass(cls, PipelineScheduleMulti)``) picks graphpipe's
+    as torch's; a single-stage class takes its stage, or a list of one, and no more."""
+    schedules = pipelining.schedules
+    for name in ("Schedule1F1B", "ScheduleGPipe"):
+        assert issubclass(getattr(gp_pp, name), schedules.PipelineScheduleSingle)
+        assert not issubclass(getattr(gp_pp, name), schedules.PipelineScheduleMulti)
+    for name in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
+        assert issubclass(getattr(gp_pp, name), schedules.PipelineScheduleMulti)
+        assert not issubclass(getattr(gp_pp, name), schedules.PipelineScheduleSingle)
+    assert issubclass(gp_pp.PipelineSchedule, schedules._PipelineSchedule)
+    x, y, _ = batch(0)
+    got = []
+    for name in ("Schedule1F1B", "ScheduleGPipe"):
+        for given in ("stage", "list"):
+            stage = _fake(0, 1)
+            torch.manual_seed(1)
+            stage.submod = Block().double()
+            sched = getattr(gp_pp, name)(stage if given == "stage" else [stage], 4, mse)
+            assert sched._stage is stage  # torch's attribute
+            losses: list = []
+            sched.step(x, target=y, losses=losses)
+            got.append(torch.stack(losses))
+            sched.close()
+    for g in got[1:]:
+        torch.testing.assert_close(g, got[0], rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match=r"^Schedule1F1B runs one stage per rank, but this rank"):
+        gp_pp.Schedule1F1B([_fake(0, 2), _fake(1, 2)], 4, mse)
+
+
 @pytest.mark.parametrize(
     ("cls", "schedule"),
     [
@@ -275,11 +478,17 @@ def test_a_named_schedule_class_refuses_another_schedule(cls: str, schedule: str
 
 
 # ------------------------------------------------- pipeline x FSDP2 data parallelism (4 ranks)
-def _run_sharded(rank: int, world: int, impl: str) -> dict:
+def _sharded_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target, reduction="sum") / (2 * ROWS * DIM)
+
+
+def _run_sharded(rank: int, world: int, impl: str, refuse: bool = False) -> dict:
     """pp 2 x dp 2: DualPipeV's four stages, each sharded by FSDP2 over its dp pair with a
     gradient divide factor of 1.0 (the replicas' gradients summed, torchtitan's recipe; the
     loss divides by the global batch itself); each replica trains on its own batch for two
-    steps. graphpipe's refusals of the compositions it cannot honour are checked first."""
+    steps. graphpipe's refusals of the compositions it cannot honour are checked first.
+    ``refuse``: before those steps, replica 1's pipeline rank 0 passes ``arg_mbs`` of 3
+    entries for M=4 (what each rank raised: ``out["refused"]``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -308,14 +517,23 @@ def _run_sharded(rank: int, world: int, impl: str) -> dict:
         pipelining.PipelineStage(m, i, 4, torch.device("cpu"), group=mesh.get_group("pp"))
         for m, i in zip(mine, ids, strict=True)
     ]
+    if impl == "torch":
+        stages = _reference_stages(stages)
     extra = {"dp_group": dp_group} if impl == "graphpipe" else {}
     cls = (pipelining if impl == "torch" else gp_pp).ScheduleDualPipeV
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(out, target, reduction="sum") / (2 * ROWS * DIM)
-
-    sched = cls(stages, n_microbatches=4, loss_fn=loss_fn, scale_grads=False, **extra)
+    sched = cls(stages, n_microbatches=4, loss_fn=_sharded_loss, scale_grads=False, **extra)
     out: dict = {"losses": [], "grads": []}
+    if refuse:
+        x, y, _ = batch(0)
+        try:
+            if (pp, dp) == (0, 1):
+                sched.step(arg_mbs=[(c,) for c in x.chunk(4)][:3], target=y)
+            else:
+                sched.step(*((x,) if pp == 0 else ()), target=y if pp == 0 else None)
+            out["refused"] = "returned"
+        except Exception as e:
+            out["refused"] = f"{type(e).__name__}: {e}"
     for step in range(2):
         x, y, _ = batch(10 * step + dp)
         for m in mine:
@@ -348,6 +566,38 @@ def test_dualpipev_over_fsdp2_sharded_replicas_equals_torchs() -> None:
                 torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
+def test_arguments_refused_on_one_replica_raise_on_every_rank_of_every_replica() -> None:
+    """pp 2 x dp 2, a check failing on replica 1's pipeline rank 0 (global rank 1): its
+    pipeline's ranks raise, and so do replica 0's (which would otherwise wait for replica 1
+    in the step's data-parallel agreement); the next steps run on every rank, exact."""
+    got = run_ranks(_run_sharded, 4, "graphpipe", True, timeout=300)
+    why = "ValueError: arg_mbs must be a list of n_microbatches=4 entries, got 3"
+    replica = (
+        f"PipelineError: ScheduleDualPipeV: data-parallel replica 1 refused this step() (its "
+        f"rank 0: {why}); no rank of any replica ran it"
+    )
+    # global rank = 2 * pp + dp (the mesh's ("pp", "dp") layout)
+    assert got[1]["refused"] == why
+    assert got[3]["refused"] == (
+        f"PipelineError: ScheduleDualPipeV: rank 0 refused the arguments of this step() "
+        f"({why}); no rank ran it"
+    )
+    assert got[0]["refused"] == got[2]["refused"] == replica
+    modules = build(4)
+    for dp in (0, 1):
+        for step in range(2):
+            x, y, _ = batch(10 * step + dp)
+            want = []
+            with torch.no_grad():
+                for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+                    for mod in modules:
+                        xm = mod(xm)
+                    want.append(float(_sharded_loss(xm, ym)))
+            torch.testing.assert_close(
+                torch.tensor(got[dp]["losses"][step]), torch.tensor(want), rtol=RTOL, atol=ATOL
+            )
+
+
 # ------------------------------------------- forwards per micro-batch (a counting stage)
 class Counting(Block):
     """A stage that counts its training-mode forwards in a buffer, as an MoE layer counts
@@ -369,6 +619,8 @@ def _count_forwards(rank: int, world: int, impl: str) -> list[int]:
     mods = [Counting().double() for _ in ids]
     stages = [pipelining.PipelineStage(m, i, 2 * world, torch.device("cpu"))
               for m, i in zip(mods, ids, strict=True)]  # fmt: skip
+    if impl == "torch":
+        stages = _reference_stages(stages)
     sched = (pipelining if impl == "torch" else gp_pp).ScheduleDualPipeV(stages, 4, mse)
     x, y, _ = batch(0)
     for _ in range(2):
@@ -378,11 +630,28 @@ def _count_forwards(rank: int, world: int, impl: str) -> list[int]:
     return [int(m.forwards) for m in mods]
 
 
-def test_each_stage_runs_one_forward_per_microbatch_where_torch_runs_one_more_at_first() -> None:
-    """Two steps of 4 micro-batches: graphpipe runs each stage's forward 8 times. torch 2.13's
-    PipelineStage infers its P2P metadata at the first step by running each stage's forward
-    once more in training mode, so a module that counts in forward (MoE token counts) counts 9
-    (docs/torchtitan.md; tests/torchtitan_trainer/launch.py undoes it for the Trainer test's
-    reference). This asserts torch's present behaviour: when it changes, update both."""
+def test_each_stage_runs_one_forward_per_microbatch() -> None:
+    """Two steps of 4 micro-batches: graphpipe runs each stage's forward 8 times (torch one
+    more: the next test)."""
     assert run_ranks(_count_forwards, 2, "graphpipe") == [[8, 8], [8, 8]]
+
+
+# The torch versions whose extra forward (the next test) was checked.
+EXTRA_FORWARD_CHECKED = ("2.11", "2.13")
+
+
+def test_torch_runs_each_stages_forward_once_more_at_the_first_step() -> None:
+    """torch's PipelineStage infers its P2P metadata at the first step by running each
+    stage's forward once more in training mode, so over two steps of 4 micro-batches a module
+    that counts in forward (MoE token counts) counts 9 (docs/torchtitan.md;
+    tests/torchtitan_trainer/launch.py undoes it for the Trainer test's reference). This
+    asserts torch's behaviour on the versions checked (2.11.0, 2.13.0); when it changes,
+    update both."""
+    version = ".".join(torch.__version__.split(".")[:2])
+    if version not in EXTRA_FORWARD_CHECKED:
+        pytest.skip(
+            f"torch {torch.__version__}: its PipelineStage's forwards at the first step were "
+            f"checked on torch {', '.join(EXTRA_FORWARD_CHECKED)} only; check this version and "
+            "add it to EXTRA_FORWARD_CHECKED"
+        )
     assert run_ranks(_count_forwards, 2, "torch") == [[9, 9], [9, 9]]

@@ -14,7 +14,12 @@ Each class takes the constructor of torch's class of that name (``stages`` a lis
 return_outputs=True, loss_kwargs=None, **kwargs)`` and ``eval``, plus torch 2.14's pre-split
 ``step(arg_mbs=, kwarg_mbs=, target_mbs=)``. It builds a ``graphpipe.Pipeline`` from the
 stages' modules (``stage.submod``), their ``stage_index`` and ``group``; torch's stage objects
-themselves are not run (their P2P buffers are never allocated).
+themselves are not run (their P2P buffers are never allocated). The classes sit in torch's
+hierarchy, so that code dispatching on it picks them as torch's: ``Schedule1F1B`` and
+``ScheduleGPipe`` are ``PipelineScheduleSingle`` subclasses (one stage, or a list of one),
+``ScheduleDualPipeV`` and ``ScheduleZBVZeroBubble`` ``PipelineScheduleMulti`` ones, and
+``PipelineSchedule`` a ``_PipelineSchedule``; torch's methods they do not override are not
+meant to be called on them. Works with every torch that ``pyproject.toml`` admits (2.11 on).
 
 What equals torch's schedule on the same stages, and how:
 
@@ -28,13 +33,27 @@ What equals torch's schedule on the same stages, and how:
   (``return_outputs=True``, detached), ``None`` elsewhere.
 - Positional ``args`` go to stage 0 (ignored on other ranks, as torch does), ``target`` to
   the last stage's ``loss_fn`` (ignored elsewhere); both are split on dim 0.
-- Keyword tensors (``**kwargs``) are split on dim 0 and reach every stage of the rank that
-  takes them. torch gives a rank's kwargs to every stage of that rank; graphpipe gives each
-  keyword to the stages whose ``forward`` takes it, and requires every rank to pass the same
-  keywords (a rank that passes others is a ``ValueError`` naming it on every rank).
-  ``loss_kwargs`` go to ``loss_fn`` on every micro-batch, as in torch.
+- Keyword tensors (``**kwargs``) are split on dim 0 and go, as in torch, to the stages of the
+  rank that passes them: ``step(x, mask=m)`` on the first stage's rank and ``step()``
+  elsewhere (torch's own tests and tutorials) gives ``mask`` to that rank's stages only
+  (those whose ``forward`` takes it; torch passes it to every stage of the rank). Ranks that
+  pass the same keyword each give their own tensor to their own stages. Refused (on every
+  rank, naming the keyword and the rank): a keyword passed on some ranks but not on a rank
+  whose stage takes it (torch runs that stage without it, graphpipe gives a keyword to every
+  stage that takes it), ranks that pass one keyword with other shapes, and a pre-split
+  non-tensor keyword (``PerMicrobatch``) that some rank does not pass.
+  ``loss_kwargs`` go to ``loss_fn`` on every micro-batch, as in torch (on the last stage's
+  rank; other ranks' are ignored, as in torch).
+- Every call checks its arguments on each rank, and the ranks agree on the outcome before any
+  of them runs the step: a rank whose arguments are refused raises its error, every other
+  rank a ``PipelineError`` naming that rank and the error, and no rank runs the call (one
+  ``all_gather_object`` per call over the stages' group when it is gloo, else over a gloo
+  group of the same ranks built at the first call). With a ``dp_group`` of several replicas,
+  a step refused in one replica is refused in every replica (one more gather, over the
+  ``dp_group`` or a gloo group of its ranks), as the pipeline's own agreement does.
 
-What is refused, naming it (``ValueError``): chunk specs other than dim 0
+What is refused, naming it (``ValueError``; ``TypeError`` for a ``n_microbatches`` that is
+not an int): chunk specs other than dim 0
 (``args_chunk_spec`` / ``kwargs_chunk_spec``), ``output_merge_spec``,
 ``backward_requires_autograd=False`` (a custom backward), ``defer_pp_recv=True`` (pass
 graphpipe's ``receives=`` instead), stage indices that are not the placement of the schedule,
@@ -47,20 +66,40 @@ then summed, by FSDP2, as torch's schedule does on those modules).
 graphpipe's own options (``capture``, ``receives``, ``timeout``, ``defer_weight_grads``,
 ``use_nvtx``, ...) are keyword arguments of the constructor, passed to ``Pipeline``.
 
-Owns: nothing of the runtime; the wrapper's loss buffers (static copies of tensor
-``loss_kwargs`` under capture). May touch: the stages' ``.grad`` (``scale_grads``).
+Owns: the wrapper's loss buffers (static copies of tensor ``loss_kwargs`` under capture) and,
+when the stages' group (or the ``dp_group``) is not gloo, the gloo groups of the calls'
+agreement (destroyed by ``close``). May touch: the stages' ``.grad`` (``scale_grads``).
 """
 
 from __future__ import annotations
 
+import datetime
+import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+try:  # torch's classes that graphpipe's subclass (torch 2.11 and 2.13 have them)
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        _PipelineSchedule,
+    )
+except ImportError as e:  # pragma: no cover - a torch that moved them
+    raise ImportError(
+        "graphpipe.integrations.torch_pipelining subclasses torch.distributed.pipelining's "
+        "PipelineScheduleSingle, PipelineScheduleMulti and _PipelineSchedule, which torch "
+        f"{torch.__version__} does not have where 2.11 to 2.13 do ({e})"
+    ) from e
+
+from graphpipe.errors import PipelineError
 from graphpipe.ir import Action, Op
+from graphpipe.meta import DTYPES
 from graphpipe.runtime import PerMicrobatch, Pipeline
+from graphpipe.runtime.batch import KwSig, describe_keywords, keywords_signature
 from graphpipe.simulate import resolve_schedule
 
 __all__ = [
@@ -73,6 +112,8 @@ __all__ = [
 
 # Pipeline arguments the wrapper sets itself from torch's arguments.
 _RESERVED = ("schedule", "num_microbatches", "loss_fn", "group", "loss_reduction")
+# Pipeline.step's own keyword parameters: a keyword tensor of that name cannot pass through.
+_STEP_PARAMETERS = ("scaler",)
 
 
 def _gpipe(num_ranks: int, num_microbatches: int) -> dict[int, list[Action]]:
@@ -131,50 +172,156 @@ def _keyword(name: str, mbs: list[Any]) -> Any:
 class _StaticLossKwargs:
     """``loss_kwargs`` as ``loss_fn`` sees them: the given values (eager), or under capture
     static copies of the tensors, refreshed before each step (a captured graph reads them),
-    and non-tensor values that must stay the same."""
+    and non-tensor values that must stay the same. ``check`` raises for values ``set`` would
+    refuse, and changes nothing."""
 
     def __init__(self, capture: bool) -> None:
         self.capture = capture
         self.values: dict[str, Any] = {}
 
-    def set(self, given: Mapping[str, Any] | None) -> None:
+    def check(self, given: Mapping[str, Any] | None) -> None:
+        if given is not None and not isinstance(given, Mapping):
+            raise TypeError(f"loss_kwargs must be a dict or None, got {type(given).__name__}")
         given = dict(given or {})
-        if not self.capture:
-            self.values = given
+        if not self.capture or not self.values:
             return
-        if self.values and set(given) != set(self.values):
+        if set(given) != set(self.values):
             raise ValueError(
                 f"loss_kwargs changed from {sorted(self.values)} to {sorted(given)} after "
                 "capture: a captured step reads the same names every step"
             )
         for name, v in given.items():
-            old = self.values.get(name)
+            old = self.values[name]
             if isinstance(v, torch.Tensor):
-                if old is None:
-                    self.values[name] = v.detach().clone()
-                elif old.shape != v.shape or old.dtype != v.dtype or old.device != v.device:
+                if not isinstance(old, torch.Tensor):
+                    raise ValueError(
+                        f"loss_kwargs[{name!r}] changed from {old!r} to a tensor after capture"
+                    )
+                if old.shape != v.shape or old.dtype != v.dtype or old.device != v.device:
                     raise ValueError(
                         f"loss_kwargs[{name!r}] changed from {list(old.shape)} {old.dtype} to "
                         f"{list(v.shape)} {v.dtype} after capture"
                     )
-                else:
-                    old.copy_(v)
-            elif name in self.values and old != v:
+            elif isinstance(old, torch.Tensor) or old != v:
                 raise ValueError(
                     f"loss_kwargs[{name!r}] changed from {old!r} to {v!r} after capture: a "
                     "captured step keeps non-tensor values; pass a tensor to change it"
                 )
+
+    def set(self, given: Mapping[str, Any] | None) -> None:
+        self.check(given)
+        given = dict(given or {})
+        if not self.capture:
+            self.values = given
+            return
+        for name, v in given.items():
+            old = self.values.get(name)
+            if isinstance(v, torch.Tensor):
+                if old is None:
+                    self.values[name] = v.detach().clone()
+                else:
+                    old.copy_(v)
             else:
                 self.values[name] = v
 
 
-class PipelineSchedule:
+def _keyword_parameters(module: Any) -> frozenset[str] | None:
+    """The keywords a stage's ``forward`` takes, by the rule ``graphpipe.Pipeline`` routes
+    keyword tensors with (runtime/stage.py ``_taken``: a compiled module's ``_orig_mod``,
+    named parameters); None: any (``**kwargs``)."""
+    fn = getattr(module, "_orig_mod", module)
+    fn = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: takes none
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+@dataclass(frozen=True)
+class _CallPart:
+    """One rank's part of a call's agreement (``PipelineSchedule._agree``).
+
+    call: ``"step"`` or ``"eval"``. error: why this rank refused its arguments
+    (``"ValueError: ..."``), or None. keywords: the keyword tensors it passes
+    (``keywords_signature``). per_microbatch: which of them are ``PerMicrobatch`` values.
+    takes: ``(stage index, the keywords its forward takes, None: any)`` per stage of the rank.
+    """
+
+    call: str
+    error: str | None
+    keywords: KwSig
+    per_microbatch: frozenset[str]
+    takes: tuple[tuple[int, frozenset[str] | None], ...]
+
+
+def _described(e: BaseException) -> str:
+    """``"ValueError: <the first line of its message>"``."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _placeholder(descr: tuple[tuple[int, ...], ...]) -> Any:
+    """A keyword value of the description ``descr`` that holds no memory (stride-0 views of
+    one zero): what a rank that was not given a keyword passes to the pipeline, whose
+    agreement checks every rank's keywords but which gives this rank's stages none of it
+    (none of them takes it)."""
+    ts = tuple(torch.zeros((), dtype=DTYPES[code]).expand(*shape) for code, *shape in descr)
+    return ts[0] if len(ts) == 1 else ts
+
+
+def _keyword_verdict(parts: Sequence[_CallPart], rank: int) -> dict[str, Any]:
+    """The keywords of one call that this rank was not given and passes as placeholders (see
+    the module doc); ``ValueError``, the same on every rank, for those that torch would route
+    where graphpipe cannot (every rank reads the same ``parts``)."""
+    given = [dict(p.keywords) for p in parts]
+    names = sorted({name for g in given for name in g})
+    out: dict[str, Any] = {}
+    for name in names:
+        passers = [r for r, g in enumerate(given) if name in g]
+        lacking = [r for r in range(len(parts)) if r not in passers]
+        if not lacking:
+            continue  # passed everywhere: the pipeline's batch agreement compares them
+        if any(name in parts[r].per_microbatch for r in passers):
+            raise ValueError(
+                f"keyword {name!r} holds values per micro-batch (kwarg_mbs that are not "
+                f"tensors, or a PerMicrobatch) and was passed on rank(s) {passers} only: "
+                f"graphpipe needs such a keyword on every rank; pass it on rank(s) {lacking} too"
+            )
+        first = passers[0]
+        for r in passers[1:]:
+            if given[r][name] != given[first][name]:
+                raise ValueError(
+                    f"keyword tensor {name!r} is not passed on rank(s) {lacking}, and the "
+                    f"ranks that pass it differ: rank {first} has "
+                    f"{describe_keywords(((name, given[first][name]),))}, rank {r} has "
+                    f"{describe_keywords(((name, given[r][name]),))}"
+                )
+        for r in lacking:
+            for stage, params in parts[r].takes:
+                if params is None or name in params:
+                    raise ValueError(
+                        f"keyword tensor {name!r} was passed on rank(s) {passers} but not on "
+                        f"rank {r}, whose stage {stage} takes it: torch gives each rank's "
+                        f"keyword arguments to that rank's stages only, so it runs stage "
+                        f"{stage} without {name!r}, while graphpipe gives a keyword to every "
+                        f"stage that takes it; pass {name!r} on rank {r} too (its stages then "
+                        f"get it), or give stage {stage}'s parameter another name"
+                    )
+        if rank in lacking:
+            out[name] = _placeholder(given[first][name])
+    return out
+
+
+class PipelineSchedule(_PipelineSchedule):
     """A torch.distributed.pipelining schedule run by ``graphpipe.Pipeline``.
 
     Args:
         stages: this rank's ``PipelineStage`` objects (any order; their ``submod``,
             ``stage_index``, ``num_stages`` and ``group`` are read).
-        n_microbatches: M.
+        n_microbatches: M (an int).
         loss_fn: ``loss_fn(output, target, **loss_kwargs) -> 0-dim tensor`` per micro-batch;
             None: only ``eval`` runs.
         schedule: graphpipe's schedule: ``"dualpipev"``, ``"zbv"``, ``"1f1b"``, ``"gpipe"``,
@@ -210,6 +357,11 @@ class PipelineSchedule:
         **options: Any,
     ) -> None:
         name = self._torch_name
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int):
+            raise TypeError(
+                f"{name}: n_microbatches must be an int, got {type(n_microbatches).__name__} "
+                f"{n_microbatches!r}"
+            )
         _check_spec("args_chunk_spec", args_chunk_spec)
         _check_spec("kwargs_chunk_spec", kwargs_chunk_spec)
         if output_merge_spec is not None:
@@ -259,6 +411,7 @@ class PipelineSchedule:
         self._stages = stages
         self._n_microbatches = m = n_microbatches
         self._loss_fn = loss_fn
+        self._has_backward = loss_fn is not None  # torch's attribute, for code that reads it
         self.scale_grads = scale_grads
         self._capture = bool(options.get("capture", False))
         self._loss_kwargs = _StaticLossKwargs(self._capture)
@@ -284,6 +437,7 @@ class PipelineSchedule:
                 f"{name} on {n} ranks runs {placement.num_stages} stages, but the "
                 f"PipelineStage objects have num_stages={sorted(num_stages)}"
             )
+        self._num_stages = placement.num_stages
         # The last stage's forwards in ascending micro-batch order: loss_fn is then called in
         # micro-batch order, and the outputs it sees are collected in that order.
         last = placement.num_stages - 1
@@ -296,9 +450,14 @@ class PipelineSchedule:
         self._outputs_in_order = order == sorted(order)
         self._first = rank == placement.rank_of(0)
         self._last = rank == placement.rank_of(last)
+        self._rank, self._num_ranks = rank, n
+        self._takes = tuple((s.stage_index, _keyword_parameters(s.submod)) for s in stages)
         self._schedule, self._group = built, group if distributed else None
         self._options = options
         self._pipe: Pipeline | None = None
+        # The gloo groups of the calls' agreement (``_gloo``), and those it built.
+        self._agreement_groups: dict[str, Any] = {}
+        self._own_groups: list[Any] = []
 
     @property
     def pipe(self) -> Pipeline:
@@ -376,6 +535,13 @@ class PipelineSchedule:
             if target is not None:
                 raise ValueError("pass either target or target_mbs, not both")
             target = _cat("target_mbs", target_mbs)
+        reserved = sorted(set(kwargs) & set(_STEP_PARAMETERS))
+        if reserved:
+            raise ValueError(
+                f"keyword argument {reserved[0]!r} is the name of a parameter of "
+                "graphpipe.Pipeline.step, so it cannot reach a stage: give the stage's "
+                "parameter another name"
+            )
         inputs = None
         if self._first:
             inputs = args[0] if len(args) == 1 else (tuple(args) if args else None)
@@ -387,6 +553,100 @@ class PipelineSchedule:
         if not outs:
             return None
         return _cat("the last stage's outputs", outs)
+
+    # -------------------------------------------------------------- the agreement
+    def _gloo(self, which: str, group: Any) -> Any:
+        """The group a call's agreement gathers over, for ``which`` (``"pipeline"``: the
+        stages' group; ``"replicas"``: the ``dp_group``): ``group`` itself when it is gloo,
+        else a gloo group of its ranks, built once (at the first call, which every rank
+        makes): a gather over NCCL would wait for the device."""
+        if which not in self._agreement_groups:
+            if dist.get_backend(group) == "gloo":
+                self._agreement_groups[which] = group
+            else:
+                ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+                timeout = self._options.get("timeout", 300.0)
+                if not isinstance(timeout, datetime.timedelta):
+                    timeout = datetime.timedelta(seconds=float(timeout))
+                built = dist.new_group(
+                    ranks, timeout=timeout, backend="gloo", use_local_synchronization=True
+                )
+                self._agreement_groups[which] = built
+                self._own_groups.append(built)
+        return self._agreement_groups[which]
+
+    def _agree(
+        self, call: str, error: BaseException | None, kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Every rank's outcome of its local checks, gathered before any rank runs the call
+        (over the pipeline's ranks, then, for a step, over the data-parallel replicas):
+        raises ``error`` (this rank's), a ``PipelineError`` naming the rank (or replica) that
+        refused, or the ``ValueError`` of keywords the ranks pass in a way graphpipe cannot
+        route as torch does, on every rank; else returns the placeholders of the keywords
+        this rank was not given (``_keyword_verdict``)."""
+        part = _CallPart(call, None, (), frozenset(), self._takes)
+        if error is None:
+            try:
+                part = _CallPart(
+                    call,
+                    None,
+                    keywords_signature(kwargs, self._n_microbatches),
+                    frozenset(k for k, v in kwargs.items() if isinstance(v, PerMicrobatch)),
+                    self._takes,
+                )
+            except (TypeError, ValueError) as e:
+                error = e
+        if error is not None:
+            part = _CallPart(call, _described(error), (), frozenset(), ())
+        if self._num_ranks == 1:
+            parts = [part]
+        else:
+            parts = [None] * self._num_ranks
+            dist.all_gather_object(parts, part, group=self._gloo("pipeline", self._group))
+        # What this rank raises (None: the call runs) and why its pipeline does not run the
+        # call (the same on each of its ranks), decided before the replicas' gather, which
+        # every rank takes part in, so that no replica is left waiting in it.
+        verdict: BaseException | None = error
+        cause: str | None = None
+        placeholders: dict[str, Any] = {}
+        calls = [p.call for p in parts]
+        refused = [r for r, p in enumerate(parts) if p.error is not None]
+        if refused:
+            r = refused[0]
+            cause = f"its rank {r}: {parts[r].error}"
+            if verdict is None:
+                verdict = PipelineError(
+                    f"{self._torch_name}: rank {r} refused the arguments of this {call}() "
+                    f"({parts[r].error}); no rank ran it"
+                )
+        elif len(set(calls)) > 1:
+            who = ", ".join(f"rank {r}: {c}()" for r, c in enumerate(calls))
+            cause = f"its ranks are not in the same call ({who})"
+            verdict = PipelineError(
+                f"{self._torch_name}: the pipeline ranks are not in the same call ({who}): "
+                "every rank calls step() (or eval()) together; no rank ran it"
+            )
+        else:
+            try:
+                placeholders = _keyword_verdict(parts, self._rank)
+            except ValueError as e:
+                cause, verdict = _described(e), e
+        # The replicas agree in training steps only, as the pipeline's own agreement does
+        # (an eval is each replica's own).
+        dp_group = self._options.get("dp_group")
+        if call == "step" and dp_group is not None and dist.get_world_size(dp_group) > 1:
+            replicas: list[Any] = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(replicas, cause, group=self._gloo("replicas", dp_group))
+            others = [d for d, c in enumerate(replicas) if c is not None]
+            if verdict is None and others:
+                d = others[0]
+                verdict = PipelineError(
+                    f"{self._torch_name}: data-parallel replica {d} refused this {call}() "
+                    f"({replicas[d]}); no rank of any replica ran it"
+                )
+        if verdict is not None:
+            raise verdict
+        return placeholders
 
     # -------------------------------------------------------------- the calls
     def step(
@@ -404,27 +664,43 @@ class PipelineSchedule:
         """One training step, as torch's ``step``: the last stage's outputs (concatenated on
         dim 0, detached) on its rank with ``return_outputs``, else None; ``losses`` (on the
         last stage's rank) is cleared and given each micro-batch's loss. Every rank calls it
-        (with its own arguments, as in torch)."""
-        if self._loss_fn is None:
-            raise RuntimeError(
-                f"{self._torch_name} was built with loss_fn=None: step() trains; use eval()"
-            )
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+        (with its own arguments, as in torch); arguments refused on one rank raise on every
+        rank before any runs the step."""
+        error: Exception | None = None
+        inputs = labels = None
+        kw: dict[str, Any] = {}
+        try:
+            if self._loss_fn is None:
+                raise RuntimeError(
+                    f"{self._torch_name} was built with loss_fn=None: step() trains; use eval()"
+                )
+            if not torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{self._torch_name}.step() needs grad mode (it runs the backward); "
+                    "call eval() for inference"
+                )
+            if losses is not None and not isinstance(losses, list):
+                raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+            if return_outputs and self._capture:
+                raise ValueError(
+                    "return_outputs=True cannot be served by a captured step (a replay runs no "
+                    "Python that could collect the outputs): pass return_outputs=False"
+                )
+            if return_outputs and not self._outputs_in_order:
+                raise ValueError(
+                    "return_outputs=True: this schedule runs the last stage's forwards out of "
+                    "micro-batch order, so the outputs cannot be merged in order; pass "
+                    "return_outputs=False"
+                )
+            inputs, labels, kw = self._batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            if self._last:
+                self._loss_kwargs.check(loss_kwargs)
+        except Exception as e:
+            error = e
+        kw = {**kw, **self._agree("step", error, kw)}
+        if self._last:
+            self._loss_kwargs.set(loss_kwargs)
         pipe = self.pipe
-        if return_outputs and self._capture:  # on every rank: none is left waiting
-            raise ValueError(
-                "return_outputs=True cannot be served by a captured step (a replay runs no "
-                "Python that could collect the outputs): pass return_outputs=False"
-            )
-        if return_outputs and not self._outputs_in_order:  # on every rank, too
-            raise ValueError(
-                "return_outputs=True: this schedule runs the last stage's forwards out of "
-                "micro-batch order, so the outputs cannot be merged in order; pass "
-                "return_outputs=False"
-            )
-        inputs, labels, kw = self._batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
-        self._loss_kwargs.set(loss_kwargs)
         self._outputs = []
         self._collect_outputs = return_outputs and self._last
         try:
@@ -445,6 +721,26 @@ class PipelineSchedule:
                 return self._outputs_merged()
         return None
 
+    def _step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """torch's entry point for micro-batches split already (its ``step`` splits, then
+        calls it): ``step(arg_mbs=, kwarg_mbs=, target_mbs=)`` here."""
+        return self.step(
+            losses=losses,
+            return_outputs=return_outputs,
+            loss_kwargs=loss_kwargs,
+            arg_mbs=arg_mbs,
+            kwarg_mbs=kwarg_mbs,
+            target_mbs=target_mbs,
+        )
+
     def eval(
         self,
         *args: Any,
@@ -458,10 +754,18 @@ class PipelineSchedule:
         """Forward only, as torch's ``eval``: the last stage's outputs (concatenated on dim 0)
         on its rank, None elsewhere; with a target there and a ``loss_fn``, ``losses`` is
         given each micro-batch's ``loss_fn(output, target)`` (no ``loss_kwargs``, as in
-        torch). Always eager (also with ``capture``)."""
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
-        inputs, labels, kw = self._batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        torch). Always eager (also with ``capture``). Keyword arguments and refusals as for
+        ``step``."""
+        error: Exception | None = None
+        inputs = labels = None
+        kw: dict[str, Any] = {}
+        try:
+            if losses is not None and not isinstance(losses, list):
+                raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+            inputs, labels, kw = self._batch(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        except Exception as e:
+            error = e
+        kw = {**kw, **self._agree("eval", error, kw)}
         out = self.pipe.forward(inputs, **kw)
         if not self.pipe.is_loss_rank:
             return None
@@ -481,8 +785,13 @@ class PipelineSchedule:
         return out
 
     def close(self) -> None:
-        """``Pipeline.close``: destroy captured graphs before the process group."""
-        self.pipe.close()
+        """``Pipeline.close`` (destroy captured graphs before the process group) when a call
+        built it, and the agreement's own gloo group when one was built."""
+        if self._pipe is not None:
+            self._pipe.close()
+        for group in self._own_groups:
+            dist.destroy_process_group(group)
+        self._own_groups, self._agreement_groups = [], {}
 
 
 def _check_replicas(name: str, dp_group: Any, stages: Sequence[Any]) -> None:
@@ -538,7 +847,7 @@ class _OneSchedule(PipelineSchedule):
         super().__init__(stages, n_microbatches, *a, schedule=self._schedule, **kw)
 
 
-class ScheduleDualPipeV(_OneSchedule):
+class ScheduleDualPipeV(_OneSchedule, PipelineScheduleMulti):
     """torch's ``ScheduleDualPipeV`` (``stages``: this rank's two, stages ``r`` and
     ``2N-1-r``; ``n_microbatches >= 2N``), run as graphpipe's DualPipeV with its F&B overlap.
     See ``PipelineSchedule``."""
@@ -547,7 +856,7 @@ class ScheduleDualPipeV(_OneSchedule):
     _schedule = "dualpipev"
 
 
-class ScheduleZBVZeroBubble(_OneSchedule):
+class ScheduleZBVZeroBubble(_OneSchedule, PipelineScheduleMulti):
     """torch's ``ScheduleZBVZeroBubble`` (V placement, two stages per rank), as graphpipe's
     ``"zbv"``. See ``PipelineSchedule``."""
 
@@ -555,13 +864,10 @@ class ScheduleZBVZeroBubble(_OneSchedule):
     _schedule = "zbv"
 
 
-class Schedule1F1B(_OneSchedule):
-    """torch's ``Schedule1F1B``: one ``PipelineStage`` per rank (``stage``, not a list).
-    See ``PipelineSchedule`` (torch's single-stage schedules take no ``use_full_backward``,
+class _SingleStage(_OneSchedule, PipelineScheduleSingle):
+    """A single-stage schedule: ``stage`` is this rank's ``PipelineStage`` (or a list of
+    one), as for torch's ``PipelineScheduleSingle`` (which takes no ``use_full_backward``,
     ``backward_requires_autograd`` or ``defer_pp_recv``)."""
-
-    _torch_name = "Schedule1F1B"
-    _schedule = "1f1b"
 
     def __init__(
         self,
@@ -574,8 +880,14 @@ class Schedule1F1B(_OneSchedule):
         scale_grads: bool = True,
         **kw: Any,
     ) -> None:
+        if isinstance(stage, (list, tuple)) and len(stage) > 1:
+            raise ValueError(
+                f"{self._torch_name} runs one stage per rank, but this rank was given "
+                f"{len(stage)} PipelineStage objects: pass its stage; for several stages per "
+                "rank use ScheduleDualPipeV, ScheduleZBVZeroBubble or PipelineSchedule"
+            )
         super().__init__(
-            [stage],
+            stage,
             n_microbatches,
             loss_fn,
             args_chunk_spec,
@@ -584,9 +896,17 @@ class Schedule1F1B(_OneSchedule):
             scale_grads=scale_grads,
             **kw,
         )
+        self._stage = self._stages[0]  # torch's attribute, for code that reads it
 
 
-class ScheduleGPipe(Schedule1F1B):
+class Schedule1F1B(_SingleStage):
+    """torch's ``Schedule1F1B``: one ``PipelineStage`` per rank. See ``PipelineSchedule``."""
+
+    _torch_name = "Schedule1F1B"
+    _schedule = "1f1b"
+
+
+class ScheduleGPipe(_SingleStage):
     """torch's ``ScheduleGPipe``: one stage per rank, every forward then every backward.
     See ``PipelineSchedule``."""
 

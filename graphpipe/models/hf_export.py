@@ -72,12 +72,17 @@ def load_hf_config(config: Any) -> Any:
 
 
 def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    got = getattr(torch, str(value), None)
+    """``dtype=`` as a floating torch dtype (None: the checkpoint's own). A torch dtype and
+    a name alike must be floating: an integer, bool or complex dtype is refused naming it
+    here, before the checkpoint is read (cast, it would fail later inside torch's
+    ``load_state_dict`` or ``save_pretrained`` with nothing that names it)."""
+    if value is None:
+        return None
+    got = value if isinstance(value, torch.dtype) else getattr(torch, str(value), None)
     if not isinstance(got, torch.dtype) or not got.is_floating_point:
         raise ValueError(
-            f"dtype must be a floating torch dtype (float32, bfloat16, ...), got {value!r}"
+            f"export_hf_model: dtype must be a floating torch dtype (float32, bfloat16, ...), "
+            f"got {value!r}"
         )
     return got
 

@@ -23,8 +23,19 @@ each rank accumulates its own unreduced gradients, and the first step after it r
 everything the window accumulated, as ``DistributedDataParallel.no_sync`` does. The gradients
 already there when the window opens are divided by ``alpha`` at its first step only.
 
-Owns: the sync state (``sync``, ``window``) and the list of scaling hooks. May touch: through
-its hooks, the ``.grad`` of the reduced parameters (in place).
+The window is a property of the **parameters**, not of the pipeline whose step opened it:
+after a step inside ``no_sync`` every parameter of that pipeline is *in a window* (its
+``.grad`` holds an unreduced sum), until a reducing step of any pipeline over it ends. So two
+pipelines over the same stages (or the same tied weights) share it: a step of pipeline B after
+a ``no_sync`` step of pipeline A divides nothing that A's window holds, and its reductions
+reduce everything the window accumulated. The scaling hooks divide only the gradients of
+parameters outside a window (``in_window``); the register of those in one is this module's
+(weak references: a parameter that is gone leaves it). A captured pipeline's replayed step
+divides whatever is there, so its step is refused while a window holds its parameters
+(``check_captured``, a ``ValueError`` on every rank through the batch agreement).
+
+Owns: the sync state (``sync``), the list of scaling hooks and the register of parameters in
+a window. May touch: through its hooks, the ``.grad`` of the reduced parameters (in place).
 """
 
 from __future__ import annotations
@@ -33,30 +44,48 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .program import StepHooks
 
-__all__ = ["GradSync", "divide_existing"]
+__all__ = ["GradSync", "divide_existing", "in_window"]
+
+# The parameters whose .grad holds the unreduced sum of an open no-sync window (by identity:
+# a tensor's == is elementwise), whichever pipeline's step opened it. Empty unless a window is
+# open somewhere: the per-parameter look-ups (a weak reference each) are skipped then.
+_IN_WINDOW: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def in_window(p: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient holds an open no-sync window's unreduced sum (see the
+    module doc): the scaling hooks leave such a gradient as it is."""
+    return bool(_IN_WINDOW) and p in _IN_WINDOW
 
 
 class GradSync:
     """Whether the current step reduces its gradients across ranks (see the module doc).
 
-    ``sync``: the step reduces (False inside ``no_sync``). ``window``: an earlier step of an
-    open no-sync window already divided the existing gradients. ``hooks``: the reducing
-    parts' scaling functions, called at the start of a step that opens a window (or of any
-    step outside one).
+    ``params``: the pipeline's parameters, whose reductions its steps run or skip. ``sync``:
+    the step reduces (False inside ``no_sync``). ``hooks``: the reducing parts' scaling
+    functions, called at the start of every step; each divides only the gradients of its
+    parameters that are outside a window (``in_window``).
     """
 
     name = "grad accumulation"
 
-    def __init__(self) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter] = ()) -> None:
         self.sync = True
-        self.window = False
+        self.params = list(params)
         self.hooks: list[Callable[[], None]] = []
 
+    @property
+    def window(self) -> bool:
+        """A no-sync window holds some of this pipeline's parameters (this pipeline's, or
+        another's over the same parameters)."""
+        return bool(_IN_WINDOW) and any(p in _IN_WINDOW for p in self.params)
+
     def add(self, hook: Callable[[], None]) -> None:
-        """Register ``hook`` (divides the existing gradients it reduces)."""
+        """Register ``hook`` (divides the existing gradients it reduces, outside a window)."""
         self.hooks.append(hook)
 
     def step_hooks(self) -> StepHooks:
@@ -64,11 +93,22 @@ class GradSync:
         return StepHooks(first=(self.begin,)) if self.hooks else StepHooks()
 
     def begin(self) -> None:
-        """The start of a training step: divide the gradients already there, unless an open
-        no-sync window did at its first step."""
-        if not self.window:
-            for hook in self.hooks:
-                hook()
+        """The start of a training step: divide the gradients already there, except those an
+        open no-sync window holds (the hooks skip them)."""
+        for hook in self.hooks:
+            hook()
+
+    def check_captured(self) -> None:
+        """Before a captured pipeline's training step: ``ValueError`` while a no-sync window
+        (another pipeline's) holds its parameters, since its replayed step divides and
+        reduces whatever is there (the hooks' look-ups do not run in a replay)."""
+        if self.hooks and self.window:  # only a part that divides can divide wrongly
+            raise ValueError(
+                "a no_sync() window of another pipeline holds this captured pipeline's "
+                "parameters: its replayed step would divide and reduce their unreduced "
+                "gradients as if reduced; run the window's reducing step on an eager pipeline "
+                "first (or build this one without capture)"
+            )
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -80,21 +120,33 @@ class GradSync:
             self.sync = True
 
     def end(self) -> None:
-        """The end of a training step: a no-sync step leaves the window open."""
-        self.window = not self.sync
+        """The end of a training step: a no-sync step leaves the pipeline's parameters in a
+        window; a reducing one closes the window that held them."""
+        if self.sync:
+            self._close()
+        else:
+            for p in self.params:
+                _IN_WINDOW[p] = True
 
     def reset(self) -> None:
         """After a failed step (its gradients hold partial sums: the user zeroes them)."""
-        self.window = False
+        self._close()
+
+    def _close(self) -> None:
+        if _IN_WINDOW:  # nothing to look up unless a window is open somewhere
+            for p in self.params:
+                _IN_WINDOW.pop(p, None)
 
 
 def divide_existing(
     grads: Iterable[tuple[torch.nn.Parameter, float]],
     shard: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
 ) -> None:
-    """``p.grad /= alpha`` for every ``(p, alpha)`` whose ``.grad`` exists (``shard``: the part
-    of the gradient the reduction sums, a DTensor's local shard)."""
+    """``p.grad /= alpha`` for every ``(p, alpha)`` whose ``.grad`` exists and that no open
+    no-sync window holds (``shard``: the part of the gradient the reduction sums, a DTensor's
+    local shard)."""
+    windows = bool(_IN_WINDOW)
     for p, alpha in grads:
         g = p.grad
-        if g is not None:
+        if g is not None and not (windows and p in _IN_WINDOW):
             shard(g).div_(alpha)

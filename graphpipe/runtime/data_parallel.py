@@ -43,6 +43,15 @@ reduce-scattered by FSDP and left out of this module's averaging (``managed``). 
 parameter (tensor parallel) is broadcast and averaged as its local shard: the dp replicas of
 one tp rank hold the same shard.
 
+**Agreement.** The replicas must skip (or run) the reductions together (``no_sync``), or a
+replica that runs them waits on one that does not, and their next collectives mismatch (gloo
+aborts the process). So each training step's batch agreement (``batch.py``) ends with one
+all-reduce of a few words over the replicas, on a gloo group of this module's own over the
+``dp_group`` members (``agree``: host memory, whatever the device): whether each replica is
+inside ``no_sync``, and whether it refused the step. A disagreement, or a replica that
+refused, raises ``PipelineError`` on every rank of every replica before any reduction is
+posted; nothing is closed, and the next step runs.
+
 **Failures.** A failure on one replica must end the step on the others too: their ranks
 are waiting on this step's reductions, which the failed replica will never post. On gloo the
 pipeline's fault notices are also published under a key of the dp group (``Faults.replicas``);
@@ -51,14 +60,15 @@ raises ``PipelineError`` naming the replica, rank, action and error. The reducti
 posted cannot be matched any more, so after such a failure the pipeline is closed on every
 rank (``PipelineClosed``): build new process groups and a new pipeline.
 
-Owns: the buckets, their flat buffers and the in-flight works. May touch: the ``.grad`` of
-the pipeline's parameters (in place, or set once when ``None``), the loss buffer, the
-``dp_group``, the replicas' fault notices. Must not: touch the pipeline group or run stage
-code.
+Owns: the buckets, their flat buffers and the in-flight works, the replicas' agreement
+group and its buffer. May touch: the ``.grad`` of the pipeline's parameters (in place, or
+set once when ``None``), the loss buffer, the ``dp_group``, the replicas' fault notices.
+Must not: touch the pipeline group or run stage code.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import sys
 import time
@@ -69,20 +79,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphpipe.errors import PipelineError
 from graphpipe.roles import ExpertGroups, is_expert
 
 from .accumulation import GradSync, divide_existing
 from .config import join
 from .context import RankContext
-from .faults import CommFailure, FaultNotices, Faults
-from .groups import refuse_to_join, store_key
+from .faults import REPLICA_AGREEMENT, CommFailure, FaultNotices, Faults
+from .groups import PatientGroup, _gloo, refuse_to_join, store_key, taken_key
+from .lifetime import release_groups_at_exit
 from .program import StepHooks, Trailing
+from .store import first_line
 from .tensors import grad_or_zeros, local_shard
 
 if TYPE_CHECKING:
     from graphpipe.nvtx import Ranges
 
-__all__ = ["DataParallel", "check_stage_wrappers", "refuse_setup"]
+__all__ = ["DataParallel", "check_stage_wrappers", "refuse_setup", "setup_key"]
 
 _CHECK_S = 0.05  # how often a rank waiting on the other replicas looks for a failure notice
 
@@ -131,11 +144,17 @@ def check_stage_wrappers(stages: Sequence[nn.Module], stage_ids: Sequence[int]) 
 _SETUP = "dp-setup"  # the store-key kind of the data-parallel setup's join
 
 
-def refuse_setup(dp_group: Any, exc: BaseException) -> None:
+def refuse_setup(dp_group: Any, exc: BaseException) -> str | None:
     """This rank will not take part in the data-parallel setup over ``dp_group`` (its
     construction failed first, ``exc``): the members waiting in the setup's join raise at
-    once, naming this rank and ``exc``."""
-    refuse_to_join(dp_group, exc, _SETUP, "build its pipeline")
+    once, naming this rank and ``exc``. Returns the join's key (None: one member)."""
+    return refuse_to_join(dp_group, exc, _SETUP, "build its pipeline")
+
+
+def setup_key(dp_group: Any) -> str | None:
+    """The key of the last data-parallel setup join over ``dp_group`` this process took
+    (None: none)."""
+    return taken_key(dist.get_process_group_ranks(dp_group), _SETUP)
 
 
 class _Bucket:
@@ -223,17 +242,33 @@ class DataParallel:
         self.expert_group = expert_groups.expert_dp_group if expert_groups is not None else None
         self.managed = managed  # ids of parameters another part reduces (FSDP2's)
         self.grad_sync = grad_sync if grad_sync is not None else GradSync()
+        self.replica = dist.get_rank(dp_group)
+        # The replicas' agreement (``agree``): a gloo group of this part's own over the members
+        # (built right after the join, which every member passed), and its words.
+        self.control: PatientGroup | None = None
+        self._words = torch.zeros(2 * self.size, dtype=torch.int64)
         if self.size > 1 and store is not None:  # every member here, or every member told
             dp_ranks = dist.get_process_group_ranks(dp_group)
-            join(
-                store,
-                store_key(dp_ranks, _SETUP),
-                dist.get_rank(dp_group),
-                dp_ranks,
-                faults.timeout_s if faults.timeout_s is not None else 300.0,
-                None,
-                kind="data-parallel setup",
-            )
+            key = store_key(dp_ranks, _SETUP)
+            timeout_s = faults.timeout_s if faults.timeout_s is not None else 300.0
+            join(store, key, self.replica, dp_ranks, timeout_s, None, kind="data-parallel setup")
+            try:
+                raw = _gloo(
+                    store.store,
+                    f"{key}/replicas",
+                    dp_ranks,
+                    dist.get_rank(),
+                    datetime.timedelta(seconds=timeout_s),
+                )
+            except Exception as e:  # a member died after joining, or the store went
+                store.check(key)  # StoreLost, naming the store's host
+                raise PipelineError(
+                    f"rank {ctx.rank} could not build the data-parallel replicas' group after "
+                    f"every member joined (a peer died meanwhile?): {type(e).__name__}: "
+                    f"{first_line(e)}"
+                ) from None
+            self.control = PatientGroup(raw, faults.blocked)
+            release_groups_at_exit(self)  # its gloo group let go at exit (runtime/lifetime)
         with faults.outside("the data-parallel setup", "dp_group"):  # a failed collective
             self._check_layout(ctx)
             self._sync_state(ctx.modules)
@@ -323,6 +358,42 @@ class DataParallel:
                         dist.broadcast(data, src=src, group=self.group)
                     elif dist.get_world_size(edp) > 1:  # the replicas with the same experts
                         dist.broadcast(data, src=esrc, group=edp)
+
+    # -------------------------------------------------------------- agreement
+    @property
+    def agrees(self) -> bool:
+        """The replicas agree at each training step (``agree``): more than one of them."""
+        return self.control is not None
+
+    def agree(self, unsynced: bool, refused: bool) -> tuple[list[bool], list[bool]]:
+        """The replicas' part of a training step's agreement (see the module doc): this
+        replica is inside ``no_sync`` (``unsynced``) and refused the step (``refused``: its
+        pipeline's agreement raises on its ranks); returns both, per replica (index: the rank
+        in ``dp_group``). Every rank of every replica calls it once per training step, after
+        its pipeline's agreement, whatever that found. A failed collective, or another
+        replica's failure notice while waiting, is a ``CommFailure``."""
+        n, words = self.size, self._words
+        vals = [0] * (2 * n)
+        vals[self.replica] = int(unsynced)
+        vals[n + self.replica] = int(refused)
+        words.copy_(torch.tensor(vals, dtype=torch.int64))
+        self.faults.doing(REPLICA_AGREEMENT)
+        try:
+            if self.control is None:
+                raise RuntimeError("the data-parallel replicas' group was released")
+            work = self.control.allreduce([words])
+        except RuntimeError as e:
+            raise CommFailure(None, REPLICA_AGREEMENT, e.with_traceback(None)) from None
+        self._wait(work, REPLICA_AGREEMENT)
+        got = words.tolist()
+        return [bool(v) for v in got[:n]], [bool(v) for v in got[n:]]
+
+    def release(self) -> None:
+        """Let go of the replicas' agreement group (at exit, ``lifetime``); a later
+        ``agree`` raises ``CommFailure``."""
+        if self.control is not None:
+            self.control.release()
+        self.control = None
 
     # ------------------------------------------------------------------- step
     def divide_existing(self) -> None:

@@ -93,6 +93,14 @@ class JobStore:
         self.host = host if host is not None else store_host(store)
         self._clone: JobStore | None = None
 
+    def hosted_here(self, global_rank: int | None = None) -> bool:
+        """This process, global rank ``global_rank`` (default: the process group's), serves
+        the store (global rank 0 of an ``env://`` or ``tcp://`` job): its exit takes the
+        store with it (``lifetime.hold_store``)."""
+        if global_rank is None:
+            global_rank = dist.get_rank() if dist.is_initialized() else -1
+        return self.host.startswith("global rank 0") and global_rank == 0
+
     def clone(self) -> JobStore:
         """This store over a connection of its own (``Store.clone``), for another thread;
         made once."""

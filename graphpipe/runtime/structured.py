@@ -19,10 +19,29 @@ static buffers like any keyword tensor. What is not a tensor is the value's *str
 The micro-batches must have one structure (same types, constants and tensor shapes: a
 ``ValueError`` names the micro-batch and the place that differs). The ranks agree on the
 structure's description (``structure_digest``, folded into the keyword digest of the batch
-agreement). Under capture: a step whose structure differs from the captured one is refused
-naming the keyword (``check_captured``), and so are tensors the walk does not reach (a
-``functools.partial``'s arguments, a function's defaults, a callable object's attributes:
-``check_capturable``).
+agreement). A description names a constant that is not a plain value by its type or function
+only, the same text in every process; what a captured step bakes in is its *value*, so under
+capture the constants are also compared by value (``_snapshot``, local to the process):
+
+- functions by their code, globals, defaults and closure cells, recursively; ``partial``
+  objects and bound methods by their parts; objects by their type and attributes,
+  recursively (``_DEPTH`` levels, ``_NODES`` parts per value; beyond, by ``==``); containers
+  item by item; plain values by type and ``==`` (floats by ``repr``: ``nan``, ``-0.0``),
+  where an ``==`` that raises or returns no bool counts as a difference unless the objects
+  are the same; modules, classes, enums and tensors by identity.
+- Before a warmup (``check_capturable``): the micro-batches of the step must hold equal
+  constants (the capture rebuilds every micro-batch's value on micro-batch 0's), else a
+  ``ValueError`` names the keyword, the micro-batch and the place. Eager steps take each
+  micro-batch's own value and are not checked.
+- Before every later step of a capture (``check_captured``): a structure other than the
+  captured one is a ``ValueError``; constants that differ between the micro-batches are
+  refused as before a warmup; constants other than the captured ones raise
+  ``ConstantChanged`` naming the keyword and the place (``recapture=True``: the driver
+  captures the step anew). Tensors the walk does not reach (a ``functools.partial``'s
+  arguments, a function's defaults, a callable object's attributes) are refused before a
+  warmup and before a recapture.
+
+Globals a function reads are not compared (its ``__globals__`` is, by identity).
 
 Owns: nothing (values and pure functions). May touch: nothing.
 """
@@ -31,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 import hashlib
 import types
@@ -40,6 +60,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ConstantChanged",
     "PerMicrobatch",
     "check_capturable",
     "check_captured",
@@ -86,6 +107,8 @@ def _attributes(v: Any) -> dict[str, Any] | None:
         return None
     if isinstance(v, torch.nn.Module):
         return None  # a module is a constant: its parameters are not micro-batch data
+    if isinstance(v, types.ModuleType):
+        return None  # a Python module is a constant (its namespace is no value's data)
     d = getattr(v, "__dict__", None)
     if d is not None:
         return dict(d)
@@ -330,10 +353,28 @@ def _per_microbatch(
     return self
 
 
+class _Captured:
+    """What a capture recorded of one ``PerMicrobatch`` keyword: its structure and a
+    snapshot of its constants (micro-batch 0's value, the template the capture rebuilds
+    every micro-batch's value on)."""
+
+    __slots__ = ("snapshot", "spec")
+
+    def __init__(self, spec: Any, snapshot: Any) -> None:
+        self.spec, self.snapshot = spec, snapshot
+
+
 def structures(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The structures of a call's ``PerMicrobatch`` keywords, by name (what
-    ``check_captured`` compares)."""
-    return {name: v.spec for name, v in kwargs.items() if isinstance(v, PerMicrobatch)}
+    """The structures and constants of a call's ``PerMicrobatch`` keywords, by name (what
+    ``check_captured`` compares later steps' with). The constants are the snapshot taken
+    by the check before this call's step (``check_capturable`` or ``check_captured``), so
+    what the step itself caches on them does not count."""
+    out = {}
+    for name, v in kwargs.items():
+        if isinstance(v, PerMicrobatch):
+            snaps = v.__dict__.get("_snapshots") or (_snapshots(v) if v.values else [None])
+            out[name] = _Captured(v.spec, snaps[0])
+    return out
 
 
 def check_count(name: str, value: Any, m: int) -> None:
@@ -345,35 +386,335 @@ def check_count(name: str, value: Any, m: int) -> None:
         )
 
 
+class ConstantChanged(ValueError):
+    """A replay's ``PerMicrobatch`` keyword holds other constants than the captured step's
+    (with ``recapture=True`` the driver captures the step anew instead of raising)."""
+
+
 def check_captured(captured: Mapping[str, Any], given: Mapping[str, Any]) -> None:
-    """A replay's ``PerMicrobatch`` keywords must have the captured structures
-    (``captured``: ``structures`` of the captured step)."""
+    """A later step of a capture: its ``PerMicrobatch`` keywords must have the captured
+    structures (``captured``: ``structures`` of the captured step) and constants.
+
+    ``ValueError`` for another structure, or for constants that differ between the
+    micro-batches of this step; ``ConstantChanged`` for constants other than the captured
+    ones (compared by value, see the module doc), naming the keyword and the place."""
     for name, v in given.items():
         old = captured.get(name)
-        if isinstance(v, PerMicrobatch) and old is not None:
-            if v.spec != old:
-                raise ValueError(
-                    f"keyword {name!r}: the step was captured with values of another structure: "
-                    + _first_difference(old, v.spec, "the value")
-                    + "; a captured step replays the captured constants (build the pipeline "
-                    "again, or run it without capture)"
-                )
+        if not isinstance(v, PerMicrobatch) or old is None:
+            continue
+        if _skeleton(v.spec) != _skeleton(old.spec):
+            raise ValueError(
+                f"keyword {name!r}: the step was captured with values of another structure: "
+                + _first_difference(old.spec, v.spec, "the value")
+                + "; a captured step replays the captured structure (build the pipeline "
+                "again, or run it without capture)"
+            )
+        if not v.values:
+            continue  # a structure over static buffers: no constants of its own
+        snaps = _snapshots(v)
+        _refuse_differing_microbatches(name, snaps)
+        found = None
+        if old.snapshot is not None:  # None: recorded over static buffers, no constants
+            found = _difference(old.snapshot, snaps[0], "the value")
+        if found is None and v.spec != old.spec:  # equal by value but described otherwise
+            where, _, what = _first_difference(old.spec, v.spec, "the value").partition(" is ")
+            found = (where, what)
+        if found is None:
+            continue
+        # A recapture warms up on these values: refuse first what it could not capture.
+        _refuse_unreached(name, v)
+        where, what = found
+        raise ConstantChanged(
+            f"keyword {name!r}: {where} changed since the step was captured: it is "
+            f"{what}. The captured step baked the captured constant in and a replay would "
+            "use it: pass what changes as a tensor inside the value (it gets a static "
+            "buffer), build the pipeline with recapture=True (a step with other constants "
+            "is captured anew), or run it without capture"
+        )
 
 
 def check_capturable(kwargs: Mapping[str, Any]) -> None:
-    """Refuse ``PerMicrobatch`` values that capture cannot serve: tensors that the walk of
-    the structure does not reach (in a ``functools.partial``'s arguments, a function's
-    defaults, a callable object's attributes) could not get static buffers, and a replay
-    would read the captured ones."""
+    """Before a warmup, refuse ``PerMicrobatch`` values that capture cannot serve: tensors
+    that the walk of the structure does not reach (in a ``functools.partial``'s arguments,
+    a function's defaults, a callable object's attributes) could not get static buffers,
+    and a replay would read the captured ones; constants that differ between the
+    micro-batches would be replayed as micro-batch 0's for all."""
     for name, v in kwargs.items():
         if not isinstance(v, PerMicrobatch) or not v.values:
             continue
-        for where in _unreached(v.values[0], "the value"):
+        _refuse_unreached(name, v)
+        _refuse_differing_microbatches(name, _snapshots(v))
+
+
+def _refuse_unreached(name: str, v: PerMicrobatch) -> None:
+    for where in _unreached(v.values[0], "the value"):
+        raise ValueError(
+            f"keyword {name!r}: {where} holds tensors that capture cannot give static "
+            "buffers (a replay would read the captured ones): pass them inside the "
+            "value (a closure, an attribute, a container), or run without capture"
+        )
+
+
+def _refuse_differing_microbatches(name: str, snaps: Sequence[Any]) -> None:
+    for i, snap in enumerate(snaps[1:], start=1):
+        found = _difference(snaps[0], snap, f"micro-batch {i}'s value")
+        if found is not None:
+            where, what = found
             raise ValueError(
-                f"keyword {name!r}: {where} holds tensors that capture cannot give static "
-                "buffers (a replay would read the captured ones): pass them inside the "
-                "value (a closure, an attribute, a container), or run without capture"
+                f"keyword {name!r}: {where} differs from micro-batch 0's: it is {what}. "
+                "A captured step rebuilds every micro-batch's value on micro-batch 0's "
+                "constants and would replay them for all: give the micro-batches equal "
+                "constants, pass what differs as a tensor inside the value (it gets a "
+                "static buffer), or run without capture (an eager step passes each "
+                "micro-batch its own value)"
             )
+
+
+# ------------------------------------------------------------ constants by value
+_DEPTH = 12  # levels of a constant compared part by part; deeper ones by ==
+_NODES = 4096  # parts of one value compared part by part; the rest by ==
+_BY_IDENTITY = (torch.Tensor, torch.nn.Module, types.ModuleType, type, enum.Enum)
+_TENSOR = ("tensor", None)  # a tensor of the structure: its static buffer serves it
+
+
+def _snapshots(v: PerMicrobatch) -> list[Any]:
+    """The snapshots of ``v``'s values, one per micro-batch (kept on ``v`` for
+    ``structures``: the warmup records the ones taken before its step)."""
+    snaps = [_guided(x, v.spec, [_NODES]) for x in v.values]
+    v.__dict__["_snapshots"] = snaps
+    return snaps
+
+
+def _skeleton(spec: Any) -> Any:
+    """``spec`` without its constants: what a recapture cannot change."""
+    kind = spec[0]
+    if kind == "tensor":
+        return spec
+    if kind == "const":
+        return ("const",)
+    if kind == "seq":
+        return ("seq", spec[1], tuple(_skeleton(s) for s in spec[2]))
+    if kind == "dict":
+        return ("dict", spec[1], spec[2], tuple(_skeleton(s) for s in spec[3]))
+    consts = tuple(k for k, _ in spec[3])
+    kids = tuple(_skeleton(s) for s in spec[4])
+    if kind == "function":  # which function it is: its code, a constant
+        return ("function", spec[2], consts, kids)
+    return ("object", spec[1], spec[2], consts, kids)
+
+
+def _guided(v: Any, spec: Any, budget: list[int]) -> Any:
+    """The snapshot of a value of structure ``spec``: its tensors left out (static buffers
+    serve them), its constants by ``_snapshot``."""
+    kind = spec[0]
+    if kind == "tensor":
+        return _TENSOR
+    if kind == "const":
+        return _snapshot(v, 0, budget)
+    if kind == "seq":
+        items = tuple(_guided(x, s, budget) for x, s in zip(v, spec[2], strict=True))
+        return ("seq", v, type(v), items)
+    if kind == "dict":
+        items = tuple(_guided(v[k], s, budget) for k, s in zip(spec[2], spec[3], strict=True))
+        return ("dict", v, type(v), spec[2], items)
+    if kind == "function":
+        tensors = dict(zip(spec[2], spec[4], strict=True))
+        cells = tuple(
+            _guided(c, tensors[i], budget) if i in tensors else _snapshot(c, 1, budget)
+            for i, c in enumerate(_cells(v))
+        )
+        return _function(v, cells, 0, budget)
+    attrs = _attributes(v) or {}
+    names = (*spec[2], *(k for k, _ in spec[3]))
+    kids = dict(zip(spec[2], spec[4], strict=True))
+    items = tuple(
+        _guided(attrs[k], kids[k], budget) if k in kids else _snapshot(attrs[k], 1, budget)
+        for k in names
+    )
+    return ("object", v, type(v), names, items)
+
+
+def _function(fn: types.FunctionType, cells: tuple, depth: int, budget: list[int]) -> Any:
+    return (
+        "function",
+        fn,
+        fn.__code__,
+        fn.__globals__,
+        _snapshot(fn.__defaults__, depth + 1, budget),
+        _snapshot(fn.__kwdefaults__, depth + 1, budget),
+        cells,
+    )
+
+
+def _snapshot(v: Any, depth: int, budget: list[int]) -> Any:
+    """What a captured step bakes in of the constant ``v``, as nested tuples that hold the
+    parts compared by ``==`` or identity (``_difference`` compares two)."""
+    budget[0] -= 1
+    if isinstance(v, _PLAIN) or depth > _DEPTH or budget[0] < 0:
+        return ("value", v)
+    if isinstance(v, _BY_IDENTITY):
+        return ("identity", v)
+    if isinstance(v, (tuple, list)):
+        return ("seq", v, type(v), tuple(_snapshot(x, depth + 1, budget) for x in v))
+    if isinstance(v, dict):
+        items = tuple(_snapshot(x, depth + 1, budget) for x in v.values())
+        return ("dict", v, type(v), tuple(v), items)
+    if isinstance(v, (set, frozenset)):
+        return ("set", v, type(v), frozenset(v))
+    if isinstance(v, types.FunctionType):
+        cells = tuple(_snapshot(c, depth + 1, budget) for c in _cells(v))
+        return _function(v, cells, depth, budget)
+    if isinstance(v, functools.partial):
+        parts = (v.func, v.args, v.keywords)
+        return ("partial", v, *(_snapshot(x, depth + 1, budget) for x in parts))
+    if isinstance(v, types.MethodType):
+        parts = (v.__func__, v.__self__)
+        return ("method", v, *(_snapshot(x, depth + 1, budget) for x in parts))
+    state = _state(v)
+    if state is None:
+        return ("value", v)
+    items = tuple(_snapshot(x, depth + 1, budget) for x in state.values())
+    return ("object", v, type(v), tuple(state), items)
+
+
+def _state(v: Any) -> dict[str, Any] | None:
+    """An object's attributes (its ``__dict__`` and slots), None when it has none."""
+    try:
+        d = object.__getattribute__(v, "__dict__")
+    except AttributeError:
+        d = None
+    out = dict(d) if isinstance(d, dict) else {}
+    for c in type(v).__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__") or name in out:
+                continue
+            try:
+                out[name] = object.__getattribute__(v, name)
+            except AttributeError:
+                continue  # an unset slot
+    return out if out or isinstance(d, dict) else None
+
+
+_PARTS = {
+    "function": (".__defaults__", ".__kwdefaults__"),
+    "partial": (".func", ".args", ".keywords"),
+    "method": (".__func__", ".__self__"),
+}
+
+
+def _difference(a: Any, b: Any, where: str) -> tuple[str, str] | None:
+    """Where the snapshots ``a`` (the reference) and ``b`` first differ, and how in words
+    (``(place, "X, not Y")``); None when they are equal."""
+    found = _differs(a, b)
+    if found is None:
+        return None
+    path, what = found
+    return where + "".join(reversed(path)), what
+
+
+def _differs(a: Any, b: Any) -> tuple[list[str], str] | None:
+    """``_difference``'s walk: the place as its parts, innermost first (formatted only
+    for a difference: the walk runs before every replay)."""
+    kind = a[0]
+    if b[0] != kind or (kind in ("seq", "dict", "set", "object") and a[2] is not b[2]):
+        return [], f"{_shown(b)}, not {_shown(a)}"  # another kind or type
+    if kind == "tensor":
+        return None
+    if kind == "value":
+        if _same(a[1], b[1]):
+            return None
+        if type(a[1]) is type(b[1]) and not isinstance(a[1], _PLAIN):
+            return [], f"another {_shown(b)}, not == to the captured one"
+        return [], f"{_shown(b)}, not {_shown(a)}"
+    if kind == "identity":
+        if a[1] is b[1]:
+            return None
+        return [], f"another {_shown(b)} (compared by identity), not the captured one"
+    if kind == "set":
+        return None if _same(a[3], b[3]) else ([], f"{_shown(b)}, not {_shown(a)}")
+    if kind == "function":
+        if a[2] != b[2] or a[3] is not b[3]:
+            if a[1].__qualname__ != b[1].__qualname__:
+                return [], f"the function {_shown(b)}, not {_shown(a)}"
+            return [], f"{_shown(b)} with other code (or globals) than the captured one"
+        if len(a[6]) != len(b[6]):  # pragma: no cover - equal code has equal cells
+            return [], f"{_shown(b)} with other closure cells"
+        groups = [
+            ("{}", _PARTS[kind], a[4:6], b[4:6]),
+            (".<closure {}>", range(len(a[6])), a[6], b[6]),
+        ]
+    elif kind in _PARTS:
+        groups = [("{}", _PARTS[kind], a[2:], b[2:])]
+    elif kind == "seq":
+        if len(a[3]) != len(b[3]):
+            return [], f"{_shown(b)}, not {_shown(a)}"
+        groups = [("[{}]", range(len(a[3])), a[3], b[3])]
+    else:  # a dict or an object: keys (attribute names), then values
+        if not _same(a[3], b[3]):
+            what = "keys" if kind == "dict" else "attributes"
+            return [], f"{_shown(b)} with {what} {list(b[3])}, not {list(a[3])}"
+        groups = [("[{!r}]" if kind == "dict" else ".{}", a[3], a[4], b[4])]
+    for fmt, keys, xs, ys in groups:
+        for k, x, y in zip(keys, xs, ys):
+            if x is y:  # a shared node (_TENSOR)
+                continue
+            found = _differs(x, y)
+            if found is not None:
+                found[0].append(fmt.format(k))
+                return found
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for constants: of one type, floats by ``repr`` (``nan``, ``-0.0``); an
+    ``==`` that raises or gives no bool (an array) counts as a difference."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (float, complex)):
+        return repr(a) == repr(b)
+    try:
+        r = a == b
+        if not isinstance(r, bool):
+            if getattr(r, "shape", None) != ():  # a numpy bool is a bool, an array is not
+                return False
+            r = bool(r)
+    except Exception:  # an == that cannot compare these: not known to be equal
+        return False
+    return r
+
+
+def _shown(node: Any) -> str:
+    """A snapshot in an error message, as it was when taken (a captured list may have
+    changed in place since): plain values by ``repr``, plain sequences rebuilt from their
+    items, the rest by type (and length)."""
+    kind, v = node[0], node[1]
+    if kind == "value":
+        return _show(v)
+    if kind == "seq":
+        items = node[3]
+        if len(items) <= 8 and all(n[0] == "value" and isinstance(n[1], _PLAIN) for n in items):
+            plain = [n[1] for n in items]
+            return _show(tuple(plain) if node[2] is tuple else plain)
+        return f"a {node[2].__qualname__} of {len(items)} items"
+    if kind == "set":
+        items, name = node[3], node[2].__qualname__
+        if len(items) <= 8 and all(isinstance(x, _PLAIN) for x in items):
+            return f"a {name} {{" + ", ".join(_show(x) for x in sorted(items, key=repr)) + "}"
+        return f"a {name} of {len(items)} items"
+    return _constant(v)
+
+
+def _show(v: Any) -> str:
+    """A constant in an error message: plain values by ``repr`` (shortened)."""
+    if isinstance(v, _PLAIN) or (
+        isinstance(v, (tuple, list)) and len(v) <= 8 and all(isinstance(x, _PLAIN) for x in v)
+    ):
+        text = repr(v)
+        return text if len(text) <= 80 else text[:77] + "..."
+    return _constant(v)
 
 
 def _unreached(v: Any, where: str, depth: int = 0) -> Iterator[str]:
