@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -199,6 +200,19 @@ def test_python_dash_m_entry_point() -> None:
         check=True,
     )
     assert out.stdout.startswith("usage: graphpipe bench")
+
+
+def test_the_help_of_all_names_every_regime_it_leaves_out() -> None:
+    from graphpipe.bench.options import REGIMES
+
+    parser = argparse.ArgumentParser(prog="graphpipe")
+    sub = parser.add_subparsers(dest="command")
+    regime = next(a for a in bench.add_parser(sub)._actions if a.dest == "regime")
+    said = re.search(r"all: [^;]*every regime but ([^;]*);", " ".join(regime.help.split()))
+    assert said is not None, regime.help
+    named = set(re.findall(r"\w+", said[1])) - {"and"}
+    # "all" runs REGIMES (regimes.workloads); "both" and "all" are themselves groups
+    assert named == set(regime.choices) - set(REGIMES) - {"both", "all"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="only without CUDA")

@@ -44,13 +44,13 @@ mode. Methods, so that a reader can judge the figures:
 
 Timings on a shared machine are noisy: read medians and spreads, repeat runs.
 
-Modules: ``workloads`` (stage models, ``Workload``, the regimes), ``modes`` (the contenders),
-``measure`` (timed steps, interleaving, the loss check, the recorded timeline), ``memory``,
-``host`` (host overhead per action), ``costs`` (stage and P2P costs, the simulator
-comparison), ``rank`` (the rank program), ``report`` (tables and the plot), ``world``
-(``BenchWorld``, a pre-spawned world for pytest-benchmark), ``options`` (the regime names and
-default costs the parser offers); here: the command line, which imports torch only when it
-runs (the parts above are imported on first use).
+Modules: ``regimes`` (stage models, ``Workload``, the regimes' ``workloads``), ``modes``
+(the contenders), ``measure`` (timed steps, interleaving, the loss check, the recorded
+timeline), ``memory``, ``host`` (host overhead per action), ``costs`` (stage and P2P costs,
+the simulator comparison), ``rank`` (the rank program), ``report`` (tables and the plot),
+``world`` (``BenchWorld``, a pre-spawned world for pytest-benchmark), ``options`` (the regime
+names and default costs the parser offers); here: the command line, which imports torch only
+when it runs (the parts above are imported on first use).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ from .options import REGIME_CHOICES, SYNTHETIC_COSTS
 if TYPE_CHECKING:
     from .measure import timed_step
     from .modes import MODE_DUALPIPE, MODE_EAGER, MODE_REPLAY, MODE_TORCH, MODES, Mode, build_modes
+    from .regimes import MLPStage, TinyStage, Workload, host_workload, workloads
     from .report import format_report
-    from .workloads import MLPStage, TinyStage, Workload, host_workload, workloads
     from .world import BenchWorld
 
 __all__ = [
@@ -114,7 +114,7 @@ __getattr__, __dir__ = lazy_attributes(
         ),
         "build_modes": ".modes",
         **dict.fromkeys(
-            ("MLPStage", "TinyStage", "Workload", "host_workload", "workloads"), ".workloads"
+            ("MLPStage", "TinyStage", "Workload", "host_workload", "workloads"), ".regimes"
         ),
         "BenchWorld": ".world",
         "format_report": ".report",
@@ -173,7 +173,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="both",
         help="overhead: small hidden, many tiny micro-batches; compute: wide MLP; realistic: "
         "the built-in Llama; sweep: micro-batch sizes on CUDA; both: overhead + compute "
-        "(+ sweep on CUDA); all: every regime but synthetic; synthetic: stages that sleep "
+        "(+ sweep on CUDA); all: overhead, compute, realistic (+ sweep on CUDA), every regime "
+        "but synthetic and moe; synthetic: stages that sleep "
         "--costs, against the dataflow ideal of --schedule; moe: an MoE stage's overlapped "
         "F&B pair against F then B, experts over --ranks (default both)",
     )

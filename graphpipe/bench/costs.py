@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .measure import wall_time
-from .workloads import Workload
+from .regimes import Workload
 
 __all__ = [
     "action_times",

@@ -15,7 +15,7 @@ from torch import nn
 
 from .measure import interleaved, timed_rounds, wall_time
 from .modes import MODE_EAGER, MODE_REPLAY, MODE_TORCH, build_modes
-from .workloads import host_workload
+from .regimes import host_workload
 
 __all__ = ["host_overhead"]
 

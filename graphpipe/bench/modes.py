@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .workloads import Workload
+from .regimes import Workload
 
 __all__ = [
     "MODES",

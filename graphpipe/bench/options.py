@@ -1,5 +1,5 @@
 """The names ``graphpipe bench``'s parser offers, without torch: the regimes and the synthetic
-regime's default costs (``workloads`` and ``synthetic`` use them; ``--help`` needs them
+regime's default costs (``regimes`` and ``synthetic`` use them; ``--help`` needs them
 before anything heavy is imported)."""
 
 from __future__ import annotations

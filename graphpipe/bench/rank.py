@@ -26,8 +26,8 @@ from .measure import (
 )
 from .memory import peak_memory
 from .modes import MODE_EAGER, build_modes
+from .regimes import Workload, workloads
 from .report import format_report, write_plot
-from .workloads import Workload, workloads
 
 __all__ = ["bench_rank", "say"]
 
@@ -55,6 +55,26 @@ def _run_workload(
     to plot (elsewhere ``({}, None)``)."""
     speak = _speaker(rank)
     speak(f"regime {w.name}: {w.describe(world)}")
+    threads = torch.get_num_threads()
+    if w.threads is not None:
+        torch.set_num_threads(w.threads)
+    try:
+        return _measure(w, rank, world, device, group, ctrl, opts, host_per_action, speak)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(
+    w: Workload,
+    rank: int,
+    world: int,
+    device: torch.device,
+    group: Any,
+    ctrl: Any,
+    opts: dict,
+    host_per_action: float | None,
+    speak: Callable[[str], None],
+) -> tuple[dict[str, Any], Any]:
     modes, skipped = build_modes(w, rank, world, device, group)
     for name, why in skipped.items():
         speak(f"  {name}: skipped ({why})")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .measure import control_group, timed_step
 from .modes import Mode, build_modes
-from .workloads import Workload
+from .regimes import Workload
 
 __all__ = ["BenchWorld"]
 
@@ -61,6 +61,7 @@ class BenchWorld:
 
         ctx = mp.get_context("spawn")
         self.store = _serve_store()  # the job's store, served here as graphpipe.launch does
+        self.ranks = num_ranks
         port = self.store.port
         self.timeout = timeout
         self.conns: list[Any] = []

@@ -7,7 +7,8 @@ Not part of the default test run (``--ignore=tests/benchmarks``); run it with
 
 How it measures, and why it is honest:
 
-* One world of ``RANKS`` gloo processes is spawned per module (``graphpipe.bench.BenchWorld``)
+* One world of gloo processes per rank count (1: the host's work alone; 2: with P2P) is
+  spawned (``graphpipe.bench.BenchWorld``)
   and driven over pipes. Each benchmark round sends "step MODE" to every rank, so every rank
   runs exactly the same steps; ranks meet at a barrier, time their own step and reply.
 * ``benchmark.pedantic(rounds=R, warmup_rounds=W, iterations=1)`` fixes the step count. The
@@ -37,19 +38,21 @@ from graphpipe.bench import (
     workloads,
 )
 
-RANKS = 2
-# regime -> (workload, rounds, warmup rounds): graphpipe bench's workloads
-REGIMES: dict[str, tuple[Workload, int, int]] = {
-    "overhead": (workloads("overhead", RANKS, "cpu")[0][0], 30, 3),
-    "compute": (workloads("compute", RANKS, "cpu")[0][0], 10, 2),
-    "host": (host_workload(4 * RANKS), 50, 5),
-}
+RANK_COUNTS = (1, 2)  # one rank: host work alone; two: with gloo P2P between the ranks
+# regime -> (rounds, warmup rounds); the workloads are graphpipe bench's for the rank count
+ROUNDS: dict[str, tuple[int, int]] = {"overhead": (30, 3), "compute": (10, 2), "host": (50, 5)}
 MODES = (MODE_EAGER, MODE_REPLAY, MODE_TORCH)
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[BenchWorld]:
-    with BenchWorld(RANKS) as w:
+def workload_of(regime: str, ranks: int) -> Workload:
+    if regime == "host":
+        return host_workload(4 * ranks)
+    return workloads(regime, ranks, "cpu")[0][0]
+
+
+@pytest.fixture(scope="module", params=RANK_COUNTS, ids=[f"{n}rank" for n in RANK_COUNTS])
+def world(request) -> Iterator[BenchWorld]:
+    with BenchWorld(request.param) as w:
         yield w
 
 
@@ -62,23 +65,24 @@ def prepared(world: BenchWorld) -> dict[str, tuple[list[str], dict[str, str]]]:
 def _modes_for(world: BenchWorld, prepared: dict, regime: str) -> tuple[list[str], dict]:
     if regime not in prepared:
         prepared.clear()
-        prepared[regime] = world.setup(REGIMES[regime][0])
+        prepared[regime] = world.setup(workload_of(regime, world.ranks))
     return prepared[regime]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["eager", "replay", "torch"])
-@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("regime", list(ROUNDS))
 def test_pipeline_step(benchmark, world: BenchWorld, prepared: dict, regime: str, mode: str):
     names, skipped = _modes_for(world, prepared, regime)
     if mode not in names:
         pytest.skip(f"{mode}: {skipped.get(mode, 'not available')}")
-    workload, rounds, warmup = REGIMES[regime]
+    workload, (rounds, warmup) = workload_of(regime, world.ranks), ROUNDS[regime]
+    ranks = world.ranks
     rank_times: list[float] = []
 
     def one_step() -> None:
         rank_times.append(world.step(mode))
 
-    benchmark.group = f"{regime}: {workload.describe(RANKS)}"
+    benchmark.group = f"{regime}: {workload.describe(ranks)}"
     benchmark.pedantic(one_step, rounds=rounds, warmup_rounds=warmup, iterations=1)
     measured = rank_times[warmup:]
     assert len(measured) == rounds
@@ -88,6 +92,6 @@ def test_pipeline_step(benchmark, world: BenchWorld, prepared: dict, regime: str
             "rank_min_s": min(measured),
             "rank_max_s": max(measured),
             "tokens_per_s": workload.tokens_per_step / statistics.median(measured),
-            "ranks": RANKS,
+            "ranks": ranks,
         }
     )

@@ -1,4 +1,8 @@
-"""The benchmarked models and workloads: stage modules, ``Workload`` and the regimes."""
+"""The benchmarked models and workloads: stage modules, ``Workload`` and the regimes.
+
+Not named ``workloads``: the package exports the function ``workloads`` (imported on first
+use), which a submodule of that name would replace in the package's namespace once imported.
+"""
 
 from __future__ import annotations
 
@@ -64,6 +68,10 @@ class Workload:
     mb_rows: rows (sequences for ``llama``) per micro-batch.
     seq_len: tokens per sequence (``llama`` only; 1 otherwise).
     seed: weights and batch.
+    threads: intra-op threads per rank while it runs (None: the launcher's, the cores over
+        the ranks). The overhead regime takes 1: its operations are too small for threads to
+        help, and the fork-join of a second thread costs each of them about a microsecond,
+        which would hide the host work the regime measures.
     """
 
     name: str
@@ -73,6 +81,7 @@ class Workload:
     mb_rows: int
     seq_len: int = 1
     seed: int = 0
+    threads: int | None = None
 
     @property
     def rows(self) -> int:
@@ -90,9 +99,10 @@ class Workload:
             "tiny": "Linear(1, 1) stages",
             "llama": f"Llama stages, hidden {self.hidden}, seq {self.seq_len}",
         }[self.model]
+        threads = f"; {self.threads} thread(s) per rank" if self.threads is not None else ""
         return (
             f"{world} ranks x 2 stages of {what}; M={self.microbatches} micro-batches of "
-            f"{self.mb_rows} rows ({self.tokens_per_step} tokens per step)"
+            f"{self.mb_rows} rows ({self.tokens_per_step} tokens per step){threads}"
         )
 
     def all_stages(self, num_stages: int, device: torch.device) -> list[nn.Module]:
@@ -181,12 +191,16 @@ def workloads(
     out: list[Workload] = []
     skipped: dict[str, str] = {}
 
-    def make(name: str, model: str, h: int, m: int, rows: int, seq: int = 1) -> Workload:
-        return Workload(name, model, hidden or h, microbatches or m, mb_rows or rows, seq)
+    def make(
+        name: str, model: str, h: int, m: int, rows: int, seq: int = 1, threads: int | None = None
+    ) -> Workload:
+        return Workload(
+            name, model, hidden or h, microbatches or m, mb_rows or rows, seq, threads=threads
+        )
 
     for name in wanted:
         if name == "overhead":
-            out.append(make("overhead", "mlp", 32, 16 * n, 2))
+            out.append(make("overhead", "mlp", 32, 16 * n, 2, threads=1))
         elif name == "compute":
             out.append(make("compute", "mlp", 1024, 4 * n, 32))
         elif name == "realistic":
