@@ -110,9 +110,12 @@ def add_batch_options(p: Any) -> None:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
 
 
-def add_builtin_model_options(p: Any, *, layers_note: str = "") -> None:
+def add_builtin_model_options(
+    p: Any, *, layers_note: str = "", layers_default: str = "max(4, 2N-2): 4 for N <= 3"
+) -> None:
     """The built-in Llama's shape: ``--hidden`` (default 64), ``--layers`` (default None:
-    ``train.options.default_layers``), ``--heads`` (default 4) and ``--no-kernels``;
+    ``train.options.default_layers``, which ``layers_default`` describes; a command that
+    fills in another says so there), ``--heads`` (default 4) and ``--no-kernels``;
     ``layers_note``, what else ``--layers`` defaults to (in its default's parentheses)."""
     p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     p.add_argument(
@@ -120,7 +123,7 @@ def add_builtin_model_options(p: Any, *, layers_note: str = "") -> None:
         type=int,
         default=None,
         help="decoder layers, at least one per middle stage "
-        f"(default max(4, 2N-2): 4 for N <= 3{layers_note})",
+        f"(default {layers_default}{layers_note})",
     )
     p.add_argument(
         "--heads",

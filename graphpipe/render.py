@@ -236,6 +236,22 @@ def _legend(shapes: list[_Rect | _Text], y: float, back_seen: bool, wait_seen: b
     return y + 28
 
 
+def _drawing_order(b: _Box) -> tuple[Any, ...]:
+    """Where ``b`` is drawn: waits first (action boxes on top of them), then by rank, time and
+    what the box holds. The SVG depends on the boxes alone, not on the order a simulator or a
+    trace listed them in, so the same picture is the same file byte for byte."""
+    parts = tuple(
+        (
+            p.op,
+            -1 if p.stage is None else p.stage,
+            -1 if p.microbatch is None else p.microbatch,
+            p.weight,
+        )
+        for p in b.parts
+    )
+    return (not b.is_wait, b.rank, b.start, b.end, parts)
+
+
 def _layout(
     sections: Sequence[tuple[str | None, list[_Box]]],
     num_ranks: int | None,
@@ -268,7 +284,7 @@ def _layout(
         rows = {r: top + i * (_ROW + _GAP) for i, r in enumerate(ranks)}
         for r in ranks:
             shapes.append(_Text(_LEFT - 8, rows[r] + _ROW / 2, f"rank {r}", 12, "end"))
-        for b in sorted(boxes, key=lambda b: not b.is_wait):  # waits first, boxes on top
+        for b in sorted(boxes, key=_drawing_order):  # waits first, boxes on top
             left, total = x(b.start), max((b.end - b.start) * scale, 0.5)
             if b.is_wait:
                 wait_seen = True

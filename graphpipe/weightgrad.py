@@ -17,6 +17,11 @@ graph like any Linear's, and its weight gradient is one opaque custom op
 (``graphpipe::linear_weight_grad``) that asks the store at run time whether to stash the work
 (``I``) or do it now (``B``): the split is decided per call, not frozen when the graph is traced.
 
+Hugging Face's ``Conv1D`` (``transformers.pytorch_utils.Conv1D``: GPT-2's attention and MLP
+projections, ``x @ W + b`` with ``W`` stored as [in, out]) is switched the same way, to a class
+derived from ``DeferrableConv1D`` and it; its weight gradient is ``x^T @ grad_out``. A compiled
+one (``torch.compile``) computes its weight gradient in ``I``.
+
 Linear-like modules that cannot be switched (a subclass that overrides ``forward``, a module
 holding a matrix weight that is not an ``nn.Linear``) are left alone with a warning naming
 them, once per module; ``no_defer`` silences it. Other parameters (norm weights, embeddings,
@@ -49,6 +54,7 @@ from graphpipe.meta import is_dtensor
 
 __all__ = [
     "FUSED_ACCUMULATION_MIN_NUMEL",
+    "DeferrableConv1D",
     "DeferrableLinear",
     "WeightGradStore",
     "make_deferrable",
@@ -400,6 +406,127 @@ def _new_deferrable(cls: type[nn.Linear]) -> DeferrableLinear:
     return nn.Module.__new__(made)
 
 
+def _accumulate_conv1d_weight_grad(
+    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, g: torch.Tensor
+) -> None:
+    """``weight.grad += x^T g`` (and ``bias.grad += sum(g)``) for a ``Conv1D`` weight
+    ([in, out]); in the GEMM when ``.grad`` exists in the operands' dtype (as
+    ``_accumulate_weight_grad``)."""
+    g2 = g.reshape(-1, g.shape[-1])
+    if weight.requires_grad:
+        x2 = x.reshape(-1, x.shape[-1])
+        grad = weight.grad
+        if grad is not None and grad.dtype == g2.dtype == x2.dtype:
+            grad.addmm_(x2.t(), g2)
+        else:
+            _accumulate(weight, x2.t().mm(g2))
+    if bias is not None and bias.requires_grad:
+        _accumulate(bias, g2.sum(0))
+
+
+class _Conv1DFn(torch.autograd.Function):
+    """``x @ weight + bias`` (``weight`` [in, out]): decides in its backward, from the store,
+    whether to defer the weight gradient (as ``_LinearFn``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, params, store):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.params = params
+        ctx.store = store
+        x2 = x.reshape(-1, x.shape[-1])
+        out = x2.mm(weight) if bias is None else torch.addmm(bias, x2, weight)
+        return out.view(*x.shape[:-1], weight.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gx = g.matmul(weight.t()) if ctx.needs_input_grad[0] else None
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        store = ctx.store
+        if not need_w or store.defer(_accumulate_conv1d_weight_grad, *ctx.params, x, g):
+            return gx, None, None, None, None
+        if store.accumulating:
+            with torch.no_grad():
+                _accumulate_conv1d_weight_grad(*ctx.params, x, g)
+            return gx, None, None, None, None
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = x.reshape(-1, x.shape[-1]).t().mm(g2) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
+class DeferrableConv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections) with a weight gradient that can be
+    deferred to a ``W`` action: mixed into a class made once per ``Conv1D`` class by
+    ``make_deferrable`` (``isinstance``, attributes and state dict keys stay). Outside a
+    split micro-batch, without a store, under ``torch.compile`` or with a DTensor weight it
+    runs ``Conv1D.forward`` as it is."""
+
+    _wgrad_store: WeightGradStore | None = None
+    _graphpipe_original: type[nn.Module] = nn.Module  # the Conv1D class it was switched from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        store = self.__dict__.get("_wgrad_store")
+        weight, bias = self.weight, self.bias
+        if (
+            store is None
+            or not store.split
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or is_dtensor(weight)
+        ):
+            return super().forward(x)  # type: ignore[misc]
+        params = (weight, bias)
+        cast = _autocast_copies(x, weight, bias)
+        if cast is None:
+            return _Conv1DFn.apply(x, weight, bias, params, store)
+        with torch.autocast(x.device.type, enabled=False):
+            return _Conv1DFn.apply(*cast, params, store)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # As DeferrableLinear: through the original class, made again where it is loaded.
+        return _new_deferrable_conv1d, (self._graphpipe_original,), self.__dict__.copy()
+
+
+_CONV1D_CLASSES: dict[type[nn.Module], type[DeferrableConv1D]] = {}
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """``m`` is exactly Hugging Face's ``Conv1D`` (not a subclass, which may compute
+    something else), unwrapped (transformers is not imported to ask)."""
+    cls = type(m)
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__ == "transformers.pytorch_utils"
+        and isinstance(getattr(m, "weight", None), nn.Parameter)
+        and m.weight.dim() == 2
+        and not parametrize.is_parametrized(m)
+        and "forward" not in m.__dict__
+    )
+
+
+def _deferrable_conv1d_class(cls: type[nn.Module]) -> type[DeferrableConv1D]:
+    made = _CONV1D_CLASSES.get(cls)
+    if made is None:
+        name = f"Deferrable{cls.__name__}"
+        made = type(
+            name,
+            (DeferrableConv1D, cls),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": name,
+                "__doc__": f"{cls.__qualname__} with deferrable weight gradients (graphpipe).",
+                "_graphpipe_original": cls,
+            },
+        )
+        _CONV1D_CLASSES[cls] = made
+    return made
+
+
+def _new_deferrable_conv1d(cls: type[nn.Module]) -> DeferrableConv1D:
+    return nn.Module.__new__(_deferrable_conv1d_class(cls))
+
+
 def no_defer(module: nn.Module) -> nn.Module:
     """Mark ``module`` (and everything inside it) to keep its ``nn.Linear`` layers as they are:
     a pipeline built afterwards does not switch them to ``DeferrableLinear`` (their weight
@@ -492,7 +619,9 @@ def _warn_not_deferred(where: str, path: str, m: nn.Module, why: str) -> None:
     )
 
 
-def make_deferrable(module: nn.Module, store: WeightGradStore, *, where: str | None = None) -> int:
+def make_deferrable(
+    module: nn.Module, store: WeightGradStore, *, where: str | None = None, warn: bool = True
+) -> int:
     """Switch the Linear layers in ``module`` to ``DeferrableLinear`` bound to ``store``, hand
     ``store`` to every submodule with a ``bind_weight_grad_store(store)`` method, and warn
     about the Linear-like layers it cannot defer.
@@ -511,8 +640,13 @@ def make_deferrable(module: nn.Module, store: WeightGradStore, *, where: str | N
     holds a parameter of two or more dimensions (embeddings excepted). Modules marked by
     ``no_defer`` (with their contents) are skipped without a word.
 
+    Switched too: Hugging Face's ``Conv1D`` (GPT-2), to ``DeferrableConv1D`` (see the module
+    docstring).
+
     where: how the warning names ``module`` (default: its class name; the pipeline says which
         stage).
+    warn: False leaves out the warnings, for a stage whose schedule never splits a backward
+        into ``I`` and ``W`` (1F1B): there every weight gradient is computed in ``B`` anyway.
 
     Returns the number of layers now deferrable (switched Linears plus bound custom layers):
     the pipeline reports it per stage as ``pipe.num_deferrable``, a tuple in the order of its
@@ -531,16 +665,22 @@ def make_deferrable(module: nn.Module, store: WeightGradStore, *, where: str | N
         seen.add(id(m))
         if not isinstance(m, DeferrableLinear) and _switchable(m):
             m.__class__ = _deferrable_class(type(m))
+        elif not isinstance(m, DeferrableConv1D) and _is_conv1d(m):
+            m.__class__ = _deferrable_conv1d_class(type(m))
         if isinstance(m, DeferrableLinear):
             m.__dict__["_wgrad_store"] = store
             m.__dict__["_wgrad_token"] = store._token
             m.__dict__["_wgrad_fused"] = m.weight.numel() >= FUSED_ACCUMULATION_MIN_NUMEL
             count += 1
+        elif isinstance(m, DeferrableConv1D):
+            m.__dict__["_wgrad_store"] = store
+            count += 1
         elif callable(bind := getattr(m, "bind_weight_grad_store", None)):
             bind(store)
             count += 1
         elif (why := _why_not_deferred(m)) is not None:
-            _warn_not_deferred(where, path, m, why)
+            if warn:
+                _warn_not_deferred(where, path, m, why)
             # What it holds is its own business (MultiheadAttention's out_proj is never
             # called; a parametrization's tensors are not layers).
             continue

@@ -10,7 +10,8 @@
     python profiles/soak.py --steps 1000 --malloc-trim    # glibc malloc_trim(0) every step
 
 Each rank reads its resident set size from ``/proc/self/statm`` after every step and fits a
-line through the steps after ``--skip`` (the warmup: allocator pools, the first handshakes);
+line through the steps after ``--skip`` (the warmup: allocator pools, the first handshakes;
+default a fifth of ``--steps``);
 rank 0 prints every rank's growth in bytes per step and the RSS at a few steps.
 
 ``--part`` bisects the step: ``pipeline`` (what ``graphpipe train`` runs: a batch on rank 0,
@@ -32,15 +33,13 @@ import sys
 import tracemalloc
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
-from graphpipe import DualPipeV
-from graphpipe.data import ByteBatches, load_text_bytes
-from graphpipe.launch import launch
-from graphpipe.models import LlamaConfig, LlamaLoss, build_stages, unique_parameters
+# torch and graphpipe are imported by the ranks (and the launcher) once the arguments are
+# known to be good: an argument error answers without waiting for torch.
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -113,6 +112,13 @@ def _malloc_trim() -> Any:
 
 def _step_fn(rank: int, world: int, opts: dict) -> Any:
     """A function that runs one step of ``opts['part']``."""
+    import torch
+    import torch.distributed as dist
+
+    from graphpipe import DualPipeV
+    from graphpipe.data import ByteBatches, load_text_bytes
+    from graphpipe.models import LlamaConfig, LlamaLoss, build_stages, unique_parameters
+
     cfg = LlamaConfig(hidden=32, n_layers=2, n_heads=2, max_seq_len=32, use_kernels=False)
     data = load_text_bytes(max_bytes=200_000)
     batches = iter(ByteBatches(data, 8, 32, seed=0))
@@ -175,6 +181,8 @@ def _step_fn(rank: int, world: int, opts: dict) -> Any:
 
 
 def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
+    import torch.distributed as dist
+
     step = _step_fn(rank, world, opts)
     trim = _malloc_trim() if opts["malloc_trim"] else None
     # Preallocated arrays of raw ints: the measurement allocates nothing per step.
@@ -258,7 +266,12 @@ def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000, help="steps to run (default 1000)")
-    p.add_argument("--skip", type=int, default=200, help="warmup steps left out of the fit")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=None,
+        help="warmup steps left out of the fit (default: a fifth of --steps, 200 of 1000)",
+    )
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
     p.add_argument(
         "--part",
@@ -276,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         "--every", type=int, default=0, metavar="K", help="also print the series every K steps"
     )
     args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (the fit needs two steps), got {args.steps}")
+    if args.skip is None:
+        args.skip = args.steps // 5
     if not 0 <= args.skip < args.steps - 1:
-        p.error(f"--skip must be in [0, --steps - 1), got {args.skip}")
+        p.error(f"--skip must be in [0, --steps - 1) = [0, {args.steps - 1}), got {args.skip}")
+    from graphpipe.launch import launch
+
     launch(_rank, args.ranks, "cpu", vars(args))
     return 0
 

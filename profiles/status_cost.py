@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from graphpipe import DualPipeV
 from graphpipe.bench import workloads
-from graphpipe.bench.workloads import mse_loss
+from graphpipe.bench.regimes import mse_loss
 from graphpipe.launch import launch
 from graphpipe.runtime.groups import PatientGroup
 from graphpipe.runtime.status import WATCH

@@ -135,3 +135,51 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_an_argument_error(tmp_path, 
         f"graphpipe train: error: --checkpoint-dir {tmp_path / 'file' / 'c'}: "
         f"{tmp_path / 'file'} is not a directory\n"
     )
+
+
+def _said(stderr: str) -> list[str]:
+    """The lines about saved and removed checkpoints."""
+    return [
+        x
+        for x in stderr.splitlines()
+        if x.startswith(("graphpipe train: saved", "graphpipe train: removed"))
+    ]
+
+
+def test_a_save_and_the_skipped_checkpoint_its_retention_removes_are_named(saved, tmp_path) -> None:
+    # As above: step 4 skipped at --resume, then removed by step 5's retention.
+    root = _copy(saved[0], tmp_path)
+    DAMAGE["entry removed"][1](root / "step-00000004" / "__1_0.distcp")
+    proc = _train("--steps", "5", "--checkpoint-dir", str(root), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    why = "file __1_0.distcp is not listed in graphpipe.json"
+    said = _said(proc.stderr)
+    assert said[0] == f"graphpipe train: saved {root / 'step-00000005'}", proc.stderr
+    assert len(said) == 2 and said[1].startswith(
+        f"graphpipe train: removed {root / 'step-00000004'}, which --resume skipped: {why}"
+    ), proc.stderr
+
+
+def test_saves_name_what_they_replace_and_what_retention_removes(saved, tmp_path) -> None:
+    root = _copy(saved[0], tmp_path)
+    DAMAGE["entry removed"][1](root / "step-00000004" / "__1_0.distcp")
+    argv = ["--steps", "5", "--checkpoint-every", "1", "--checkpoint-dir", str(root), "--resume"]
+    proc = _train(*argv)
+    assert proc.returncode == 0, proc.stderr
+    said = _said(proc.stderr)
+    assert len(said) == 4, proc.stderr
+    assert said[0] == f"graphpipe train: saved {root / 'step-00000003'}"
+    assert said[1].startswith(
+        f"graphpipe train: saved {root / 'step-00000004'}, replacing the one --resume skipped: "
+        "file __1_0.distcp is not listed in graphpipe.json"
+    ), said[1]
+    assert said[2:] == [  # step 2 stays: the run resumed from it
+        f"graphpipe train: saved {root / 'step-00000005'}",
+        f"graphpipe train: removed {root / 'step-00000003'}: older than the newest 2 that "
+        "verify (--keep-checkpoints 2)",
+    ]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+        "step-00000005",
+    ]

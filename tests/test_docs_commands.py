@@ -7,7 +7,8 @@ graphpipe ...``, ``torchrun ... -m graphpipe ...`` or ``python -m graphpipe.benc
 is parsed by ``graphpipe.cli``'s parser (parse only: nothing runs). In a block with ``$``
 prompts only the prompted lines are commands; a line like ``graphpipe train: error: ...``
 is output. The inline synopses (```graphpipe SUB [--flag ...]```) are checked too: every
-flag they name is an option of SUB.
+flag they name is an option of SUB. ``tests/test_docs_run.py`` runs the blocks (every
+command and code block that runs on CPU, slow-marked where long).
 """
 
 from __future__ import annotations

@@ -153,3 +153,32 @@ def test_png_needs_matplotlib_and_says_svg_works(monkeypatch, tmp_path) -> None:
     schedule, _ = SCHEDULES["1f1b"](2, 3)
     with pytest.raises(RuntimeError, match=r"needs matplotlib.*\.svg"):
         write_picture(tmp_path / "p.png", schedule)
+
+
+def test_the_svg_does_not_depend_on_the_order_of_the_records() -> None:
+    schedule, placement = SCHEDULES["dualpipev"](3, 7)
+    result = simulate(lower(schedule, placement), placement, Costs())
+    records = [
+        {"rank": r.rank, "start": r.start, "end": r.end, "action": r.action}
+        for r in result.timeline
+    ]
+    records.append({"rank": 1, "start": 2.0, "end": 3.0, "label": "wait 1RECV_F0"})
+    records.append({"rank": 0, "start": 0.5, "end": 1.5, "label": "wait 0RECV_B5"})
+    forward = render_svg(records, num_ranks=3)
+    assert render_svg(list(reversed(records)), num_ranks=3) == forward
+    assert render_svg(records[1::2] + records[::2], num_ranks=3) == forward
+
+
+def test_the_readme_picture_is_what_its_command_writes(tmp_path) -> None:
+    # README: `graphpipe schedule --ranks 4 --microbatches 10 --out docs/dualpipev_n4_m10.svg`
+    from pathlib import Path
+
+    from graphpipe.cli import main
+
+    out = tmp_path / "dualpipev_n4_m10.svg"
+    assert main(["schedule", "--ranks", "4", "--microbatches", "10", "--out", str(out)]) == 0
+    committed = Path(__file__).resolve().parent.parent / "docs" / "dualpipev_n4_m10.svg"
+    assert out.read_bytes() == committed.read_bytes(), (
+        "docs/dualpipev_n4_m10.svg is not what the README's command writes: run "
+        "graphpipe schedule --ranks 4 --microbatches 10 --out docs/dualpipev_n4_m10.svg"
+    )

@@ -150,9 +150,10 @@ def _check_device(args: argparse.Namespace) -> str | None:
 def check_train(args: argparse.Namespace) -> str | None:
     """``check_model`` plus what only ``graphpipe train`` has: steps, metrics, checkpoints.
 
-    Also sets ``resume_from`` / ``resume_step`` (the checkpoint to continue from, or None / 0).
+    Also sets ``resume_from`` / ``resume_step`` (the checkpoint to continue from, or None / 0)
+    and ``resume_skipped`` (the newer checkpoints ``--resume`` skipped, path -> why).
     """
-    args.resume_from, args.resume_step = None, 0
+    args.resume_from, args.resume_step, args.resume_skipped = None, 0, {}
     problem = first_below(args, 1, "steps", "keep_checkpoints", "checkpoint_every")
     if problem is not None:
         return problem

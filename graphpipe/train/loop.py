@@ -26,7 +26,14 @@ import torch
 from graphpipe.launch import RunStopped
 
 from .options import default_layers, default_microbatches
-from .progress import DroppedTokens, Progress, duration, open_metrics
+from .progress import (
+    DroppedTokens,
+    Progress,
+    checkpoint_dirs,
+    duration,
+    open_metrics,
+    save_lines,
+)
 from .resume import load_resumed, model_settings
 
 __all__ = ["RankRun", "build_rank", "train_rank"]
@@ -276,8 +283,10 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
             if opts["checkpoint_dir"] and (step == opts["steps"] or (every and step % every == 0)):
-                save_checkpoint(
-                    opts["checkpoint_dir"],
+                root = opts["checkpoint_dir"]
+                before = checkpoint_dirs(root) if progress is not None else {}
+                path = save_checkpoint(
+                    root,
                     step,
                     run.stages,
                     run.opt,
@@ -286,6 +295,11 @@ def train_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
                     meta=meta,
                     resumed_from=opts["resume_from"],
                 )
+                if progress is not None:  # every rank has finished the save and its removals
+                    skipped = opts.get("resume_skipped") or {}
+                    after = checkpoint_dirs(root)
+                    for line in save_lines(path, before, after, skipped, opts["keep_checkpoints"]):
+                        progress.note(line)
             if progress is not None:
                 progress.update(
                     step, f"loss {value:.3f} | {tokens / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/step"

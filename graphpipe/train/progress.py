@@ -2,8 +2,9 @@
 
 Owns: ``Progress`` (the bar, ETA and total time on stderr), ``duration`` (how times are
 written), ``open_metrics`` (the ``--metrics`` JSON-lines file, trimmed to the checkpoint's
-step on resume) and ``DroppedTokens`` (the MoE dropped-token count of a step, over every
-rank). Imports no torch at module level.
+step on resume), ``checkpoint_dirs`` and ``save_lines`` (what a save wrote, replaced and
+removed, as lines for stderr) and ``DroppedTokens`` (the MoE dropped-token count of a step,
+over every rank). Imports no torch at module level.
 """
 
 from __future__ import annotations
@@ -13,13 +14,23 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
+
+from graphpipe.checkpoint_files import read_marker, step_dirs
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DroppedTokens", "Progress", "duration", "open_metrics"]
+__all__ = [
+    "DroppedTokens",
+    "Progress",
+    "checkpoint_dirs",
+    "duration",
+    "open_metrics",
+    "save_lines",
+]
 
 
 def duration(seconds: float) -> str:
@@ -82,6 +93,12 @@ class Progress:
             self.stream.write(line + "\n")
         self.stream.flush()
 
+    def note(self, line: str) -> None:
+        """``line`` on a line of its own; on a terminal it replaces the redrawn progress line,
+        which the next ``update`` draws again below it."""
+        self.stream.write(("\r\x1b[K" if self.tty else "") + line + "\n")
+        self.stream.flush()
+
     def end_line(self) -> None:
         """End a line redrawn in place (on a terminal), so that what follows starts on its own."""
         if self.tty:
@@ -106,6 +123,51 @@ def open_metrics(path: str, resumed_step: int) -> TextIO:
         f.writelines(kept)
     os.replace(tmp, path)
     return open(path, "a")
+
+
+def checkpoint_dirs(root: str | os.PathLike) -> dict[Path, bool]:
+    """The checkpoint directories (``step-*``) in ``root``, each with whether it is complete
+    (holds its marker)."""
+    return {path: read_marker(path) is not None for _, path in step_dirs(Path(root))}
+
+
+def save_lines(
+    path: Path,
+    before: Mapping[Path, bool],
+    after: Mapping[Path, bool],
+    skipped: Mapping[str, str],
+    keep: int,
+) -> list[str]:
+    """What one save did to ``--checkpoint-dir``, a line each: the checkpoint written (and what
+    it replaced), then every checkpoint directory that is gone since ``before`` and why.
+
+    skipped: the checkpoints ``--resume`` skipped (path -> why they did not verify).
+    keep: ``--keep-checkpoints``.
+    """
+
+    def why_skipped(p: Path) -> str | None:
+        return skipped.get(str(p))
+
+    wrote = f"graphpipe train: saved {path}"
+    if path in before:
+        if (why := why_skipped(path)) is not None:
+            wrote += f", replacing the one --resume skipped: {why}"
+        elif not before[path]:
+            wrote += ", replacing an incomplete one"
+        else:
+            wrote += ", replacing the one there"
+    lines = [wrote]
+    for gone in sorted(set(before) - set(after)):
+        if (why := why_skipped(gone)) is not None:
+            lines.append(f"graphpipe train: removed {gone}, which --resume skipped: {why}")
+        elif not before[gone]:
+            lines.append(f"graphpipe train: removed {gone}: incomplete (a save cut short)")
+        else:
+            lines.append(
+                f"graphpipe train: removed {gone}: older than the newest {keep} that verify "
+                f"(--keep-checkpoints {keep})"
+            )
+    return lines
 
 
 class DroppedTokens:

@@ -54,8 +54,9 @@ def find_resume(args: argparse.Namespace) -> str | None:
     which none verifies exits with status 1 (``SystemExit``). With none at all the run starts
     from step 0 (so that a job restarted by torchrun can always pass --resume).
 
-    Sets ``args.resume_from`` (a path, or left None: start from scratch) and
-    ``args.resume_step``. A directory holding checkpoints without ``--resume`` is a problem.
+    Sets ``args.resume_from`` (a path, or left None: start from scratch),
+    ``args.resume_step`` and ``args.resume_skipped`` (path -> why, for each checkpoint
+    skipped). A directory holding checkpoints without ``--resume`` is a problem.
     """
     from graphpipe.checkpoint import checkpoint_info, find_resumable, latest_checkpoint
 
@@ -69,6 +70,7 @@ def find_resume(args: argparse.Namespace) -> str | None:
             f"{latest.name}); pass --resume to continue from it, or choose another directory"
         )
     latest, skipped = find_resumable(root)
+    args.resume_skipped = {str(path): why for path, why in skipped}  # named again if removed
     say = os.environ.get("LOCAL_RANK", "0") == "0"  # once per machine under torchrun
     for path, why in skipped:
         if say:
