@@ -16,12 +16,15 @@ to the name in the package's namespace, and the module's ``__getattr__`` is then
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import pkgutil
 import sys
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
-__all__ = ["lazy_attributes"]
+__all__ = ["MOVED", "install_moved_modules", "lazy_attributes"]
 
 
 def lazy_attributes(
@@ -55,3 +58,72 @@ def lazy_attributes(
         return sorted({*vars(sys.modules[package]), *where})
 
     return __getattr__, __dir__
+
+
+# --------------------------------------------------------------------------------------------
+# Modules that moved: their old dotted names still import, as the same module objects
+
+MOVED: dict[str, str] = {
+    **{
+        f"graphpipe.{m}": f"graphpipe.schedule.{m}"
+        for m in (
+            "ir packed timing lower validate simulate costs footprint render planner splits"
+        ).split()
+    },
+    "graphpipe.schedules": "graphpipe.schedule.generators",
+    "graphpipe.cli_options": "graphpipe.cmdline.options",
+    "graphpipe.plan_command": "graphpipe.cli.plan",
+    "graphpipe.export": "graphpipe.cli.export",
+    "graphpipe.launch": "graphpipe.cmdline.launch",
+    "graphpipe.outputs": "graphpipe.cmdline.outputs",
+    "graphpipe.checkpoint_files": "graphpipe.checkpoint.files",
+    "graphpipe.runtime.capture.plan": "graphpipe.runtime.capture.buffers",
+    **{
+        f"graphpipe.runtime.{m}": f"graphpipe.runtime.{folder}.{m}"
+        for folder, names in (
+            ("core", "stage comm program step loss tensors batch structured context messages"),
+            ("parts", "accumulation data_parallel fsdp tied clipping"),
+            ("coordination", "faults status store lifetime config groups checks"),
+        )
+        for m in names.split()
+    },
+}
+"""``{old dotted name: new dotted name}`` of every module that moved into a layer's folder.
+``import graphpipe.ir`` (or ``graphpipe.runtime.comm``) gives the module of its new place,
+the same object, so code, pickles and ``mock.patch`` targets written against the old names
+keep working."""
+
+
+class _MovedLoader(importlib.abc.Loader):
+    """Loads an old name as the module of its new name, untouched."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # importlib set the old name's spec on the module: give it back its own
+        module.__spec__ = self.spec
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    """Finds the old names of ``MOVED`` (after every other finder: a real module wins)."""
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        new = MOVED.get(fullname)
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _MovedLoader(new))
+
+
+def install_moved_modules() -> None:
+    """Put the finder of ``MOVED``'s old names on ``sys.meta_path``, once."""
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())

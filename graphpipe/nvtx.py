@@ -60,8 +60,8 @@ class Ranges:
     """
 
     # The nvtx package's domain is called directly rather than through a wrapper closure
-    # taking the name: the closure cost 170 ns more per push+pop (timeit, 200,000 pairs,
-    # 2-core CPU machine under load: 910 against 740 ns).
+    # taking the name: a range wraps every action and transfer wait, and a closure would add
+    # a Python call to each push and pop (docs/benchmarks.md has its cost).
     __slots__ = ("_domain", "_pop", "_push", "_stack", "backend")
 
     def __init__(self, use_nvtx: bool | None = None) -> None:

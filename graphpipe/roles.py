@@ -14,7 +14,7 @@ them; neither knows the other.
   pipeline ranks under one ``name`` (an input embedding tied to the output head when stage 0
   and the last stage are on different ranks, as under 1F1B). The pipeline starts every copy
   from the lowest rank's, sums the copies' gradients in every step, and counts the weight
-  once in a clipped norm (``runtime/tied.py``). Copies on one rank that are one Parameter
+  once in a clipped norm (``runtime/parts/tied.py``). Copies on one rank that are one Parameter
   object need no mark.
 
 ``unique_parameters(modules)`` lists the parameters of several stages, each once (a weight

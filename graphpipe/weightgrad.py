@@ -66,7 +66,7 @@ _NO_DEFER = "_graphpipe_no_defer"
 
 # From this many weight elements (512 x 512) a full backward (B) also goes through the custom
 # Function, to accumulate its weight gradient into .grad in the GEMM (see
-# _accumulate_weight_grad). Below, the Function's host cost (~15 us on a CPU) outweighs the
+# _accumulate_weight_grad). Below, the Function's fixed host cost per call outweighs the
 # pass over .grad it saves; above, the pass costs up to as much as the GEMM. Read when a
 # pipeline is built (make_deferrable): set it before, e.g. to 0 for a captured step, whose
 # replay has no host cost.
@@ -254,9 +254,8 @@ def _linear_weight_grad(
         _accumulate_weight_grad(weight, bias, x, g)
 
 
-# A plain library op, not torch.library.custom_op: custom_op's Python wrappers cost ~25 us
-# more per call than this registration (2-core CPU, one 64 x 64 Linear, no grad mode: 58
-# against 32 us per call, the body alone 30 us).
+# A plain library op, not torch.library.custom_op: custom_op's Python wrappers add host work
+# to every call, which runs once per Linear and micro-batch (docs/benchmarks.md has its cost).
 _LIB = torch.library.Library("graphpipe", "FRAGMENT")
 _LIB.define(
     "linear_weight_grad(Tensor g, Tensor x, Tensor weight, Tensor? bias, Tensor store) -> ()"
@@ -270,7 +269,7 @@ def _(g, x, weight, bias, store) -> None:
 
 
 # It returns nothing and writes no tensor argument: without this mark the compiler drops it
-# as dead code (measured: the W then had no work and the weights no gradient).
+# as dead code, and the W would find no work and the weights get no gradient.
 torch.fx.node.has_side_effect(torch.ops.graphpipe.linear_weight_grad.default)
 
 

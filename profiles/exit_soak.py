@@ -20,7 +20,7 @@ What it shows (2026-12-01, the shared 2-core machine, torch 2.13, 2 ranks, at f3
 ``--runs 300 --parallel 2``, 1065 s: no run aborted and no rank reported a group held; 1 run
 failed before any pipeline was built (both ranks: ``Gloo connectFullMesh failed ... Connect
 timeout`` in ``dist.init_process_group``, status 1). ``--runs 100 --parallel 2 --destroy
-half``, 294 s: 0 of 100 failed. ``graphpipe/runtime/lifetime.py`` says what would abort
+half``, 294 s: 0 of 100 failed. ``graphpipe/runtime/coordination/lifetime.py`` says what would abort
 without the exit hooks. ``tests/test_exit_dist.py`` runs two runs of this in the default
 suite.
 """
@@ -84,7 +84,7 @@ def _report_held(rank: int) -> None:
     """At exit, after graphpipe's exit hooks: how many pipeline gloo groups are still held
     (each one left would be destroyed, its worker threads joined, while the interpreter
     finalizes)."""
-    from graphpipe.runtime.groups import _DROPPED, PatientGroup
+    from graphpipe.runtime.coordination.groups import _DROPPED, PatientGroup
 
     held = sum(
         1 for o in gc.get_objects() if isinstance(o, PatientGroup) and o.group is not _DROPPED

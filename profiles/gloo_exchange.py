@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from graphpipe.launch import launch
+from graphpipe.cmdline.launch import launch
 
 
 def _rank(rank: int, world: int, device: torch.device, opts: dict) -> None:

@@ -218,7 +218,7 @@ def _simulated(plan_costs: Any, world: int, factors: list[float], m: int) -> flo
     factor (all 1: the plan's own prediction)."""
     from dataclasses import replace
 
-    from graphpipe.planner import predict_step
+    from graphpipe.schedule.planner import predict_step
 
     scaled = [
         replace(c, F=c.F * f, B=c.B * f, I=c.I * f, W=c.W * f)
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    from graphpipe.launch import launch
+    from graphpipe.cmdline.launch import launch
     from graphpipe.models import plan_hf_split, plan_llama_split
 
     if args.model == "hf":

@@ -36,7 +36,7 @@ from graphpipe.bench import (
     workloads,
 )
 from graphpipe.bench.modes import torch_schedule_unavailable
-from graphpipe.launch import launch
+from graphpipe.cmdline.launch import launch
 
 _MODES = {"eager": MODE_EAGER, "replay": MODE_REPLAY, "torch": MODE_TORCH}
 

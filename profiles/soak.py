@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         args.skip = args.steps // 5
     if not 0 <= args.skip < args.steps - 1:
         p.error(f"--skip must be in [0, --steps - 1) = [0, {args.steps - 1}), got {args.skip}")
-    from graphpipe.launch import launch
+    from graphpipe.cmdline.launch import launch
 
     launch(_rank, args.ranks, "cpu", vars(args))
     return 0

@@ -1,4 +1,4 @@
-"""What publishing status only when a wait blocks costs a step (``graphpipe.runtime.status``).
+"""What publishing status only when a wait blocks costs a step (``runtime.coordination.status``).
 
     python profiles/status_cost.py --steps 200            # the overhead regime, 2 gloo ranks
 
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from graphpipe import DualPipeV
 from graphpipe.bench import workloads
 from graphpipe.bench.regimes import mse_loss
-from graphpipe.launch import launch
-from graphpipe.runtime.groups import PatientGroup
-from graphpipe.runtime.status import WATCH
+from graphpipe.cmdline.launch import launch
+from graphpipe.runtime.coordination.groups import PatientGroup
+from graphpipe.runtime.coordination.status import WATCH
 
 
 def _unwrap(pipe: DualPipeV) -> None:

@@ -144,7 +144,7 @@ def build(case: dict) -> list[nn.Module]:
 def csv_schedule(n: int, m: int) -> str:
     """A looped schedule (rank r runs stages r and r+N): every forward of the lower stage, of
     the upper one, then the backwards; the upper stage's split into I and a deferred W."""
-    from graphpipe.ir import Action, Op, format_csv
+    from graphpipe.schedule.ir import Action, Op, format_csv
 
     rows = {}
     for r in range(n):
@@ -157,15 +157,15 @@ def csv_schedule(n: int, m: int) -> str:
 
 
 def schedule_of(case: dict) -> Any:
-    from graphpipe.ir import parse_csv
+    from graphpipe.schedule.ir import parse_csv
 
     name = case.get("schedule", "dualpipev")
     return parse_csv(csv_schedule(case["n"], case["m"])) if name == "csv" else name
 
 
 def stage_ids(case: dict, rank: int) -> tuple[int, ...]:
-    from graphpipe.ir import Placement
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule.generators import SCHEDULES
+    from graphpipe.schedule.ir import Placement
 
     name = case.get("schedule", "dualpipev")
     if name == "csv":

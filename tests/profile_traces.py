@@ -7,9 +7,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from graphpipe.lower import lower
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import simulate
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.lower import lower
+from graphpipe.schedule.simulate import simulate
 
 # (name, start ms, end ms) per rank
 Spans = dict[int, list[tuple[str, float, float]]]

@@ -1,10 +1,10 @@
 """The schedule half's algorithms as they were before they moved onto arrays: an oracle.
 
-``graphpipe.timing``, ``lower`` and ``simulate`` compute on ``graphpipe.packed`` arrays so
+``graphpipe.schedule.timing``, ``lower`` and ``simulate`` compute on ``schedule.packed`` arrays so
 that they scale; the tests check that they give what these object-by-object versions (the
 code of commit 0938455, trimmed to what the oracle needs) give on small schedules. The replay
 that names what is wrong (``_Replay`` in ``check_dependencies``) is the same code in both and
-is imported from ``graphpipe.validate``.
+is imported from ``graphpipe.schedule.validate``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from graphpipe.ir import Action, Op, Placement
-from graphpipe.lower import Step, channel, comms_needed, comms_produced, matching, peer
-from graphpipe.simulate import Costs, RankStats, SimResult, TimelineRecord, WaitRecord
-from graphpipe.timing import DataflowTimes, Durations, Produced, producer
-from graphpipe.validate import ScheduleError, check_dependencies, grid_cells, schedule_error
+from graphpipe.schedule.ir import Action, Op, Placement
+from graphpipe.schedule.lower import Step, channel, comms_needed, comms_produced, matching, peer
+from graphpipe.schedule.simulate import Costs, RankStats, SimResult, TimelineRecord, WaitRecord
+from graphpipe.schedule.timing import DataflowTimes, Durations, Produced, producer
+from graphpipe.schedule.validate import (
+    ScheduleError,
+    check_dependencies,
+    grid_cells,
+    schedule_error,
+)
 
 # --------------------------------------------------------------------------------------------
 # timing

@@ -127,7 +127,7 @@ def _forget_store_keys() -> None:
     waited in) would otherwise leave the next call's ranks waiting on different keys."""
     import sys
 
-    groups = sys.modules.get("graphpipe.runtime.groups")
+    groups = sys.modules.get("graphpipe.runtime.coordination.groups")
     if groups is not None:
         groups._created.clear()
 

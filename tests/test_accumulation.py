@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphpipe
-from graphpipe.runtime.accumulation import GradSync, divide_existing, in_window
+from graphpipe.runtime.parts.accumulation import GradSync, divide_existing, in_window
 from tests.pipeline_models import batch, build_stages, mse
 from tests.spawn import run_ranks
 

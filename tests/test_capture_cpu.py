@@ -161,9 +161,9 @@ def test_recapture_keeps_one_plan_per_signature():
 
 
 def test_plan_reuses_buffers_whose_lifetimes_do_not_overlap():
-    from graphpipe.ir import Action, Op
     from graphpipe.meta import TensorMeta
     from graphpipe.runtime.capture import build_plan
+    from graphpipe.schedule.ir import Action, Op
 
     meta = (TensorMeta((4, 8), torch.float32, torch.device("cpu")),)
     f = lambda s, m: Action(s, Op.F, m)
@@ -188,9 +188,9 @@ def test_plan_reuses_buffers_whose_lifetimes_do_not_overlap():
 
 
 def test_plan_keeps_buffers_alive_until_the_deferred_W():
-    from graphpipe.ir import Action, Op
     from graphpipe.meta import TensorMeta
     from graphpipe.runtime.capture import build_plan
+    from graphpipe.schedule.ir import Action, Op
 
     meta = (TensorMeta((2,), torch.float64, torch.device("cpu")),)
     program = [

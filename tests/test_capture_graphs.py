@@ -278,7 +278,7 @@ def test_a_host_sync_inside_a_stage_is_refused_at_capture_naming_the_action(mode
 
 
 def test_capture_refuses_what_a_cuda_graph_or_nccl_cannot_hold(monkeypatch):
-    from graphpipe.runtime.checks import check_capture
+    from graphpipe.runtime.coordination.checks import check_capture
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     with pytest.raises(ValueError, match="CUDA over a gloo pipeline group"):
@@ -296,7 +296,7 @@ def test_capture_refuses_what_a_cuda_graph_or_nccl_cannot_hold(monkeypatch):
 
 
 def test_a_compiled_stage_under_cpu_capture_warns_naming_it():
-    from graphpipe.runtime.checks import check_capture
+    from graphpipe.runtime.coordination.checks import check_capture
 
     stage = nn.Sequential(torch.compile(nn.Linear(2, 2)))
     with pytest.warns(UserWarning, match=r"torch.compile'd modules \(Linear\)"):
@@ -336,7 +336,7 @@ def test_nccl_p2p_and_its_warm_up_go_through_one_path(monkeypatch):
     every transfer, one tensor included, and the warm-up go through batch_isend_irecv."""
     from types import SimpleNamespace
 
-    from graphpipe.runtime import comm
+    from graphpipe.runtime.core import comm
 
     batches: list = []
     monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: batches.append(ops) or [])

@@ -95,6 +95,7 @@ def test_resume_falls_back_and_reproduces_the_uninterrupted_losses(saved, tmp_pa
     verify_checkpoint(root / "step-00000004")  # saved again, whole
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_a_fallbacks_retention_keeps_the_checkpoint_it_resumed_from(saved, tmp_path) -> None:
     # Step 4's entry for rank 1's file removed and the file changed: --resume skips it for
     # step 2; saving step 5 with --keep-checkpoints 2 does not count step 4 (and deletes it),
@@ -131,7 +132,7 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_an_argument_error(tmp_path, 
     (tmp_path / "file").write_text("")
     code, err = _main(["--checkpoint-dir", str(tmp_path / "file" / "c")], capsys)
     assert code == 2
-    assert err == (  # graphpipe.outputs' check, before any work (tests/test_cli_outputs.py)
+    assert err == (  # graphpipe.cmdline.outputs' check, before any work (tests/test_cli_outputs.py)
         f"graphpipe train: error: --checkpoint-dir {tmp_path / 'file' / 'c'}: "
         f"{tmp_path / 'file'} is not a directory\n"
     )
@@ -146,6 +147,7 @@ def _said(stderr: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_a_save_and_the_skipped_checkpoint_its_retention_removes_are_named(saved, tmp_path) -> None:
     # As above: step 4 skipped at --resume, then removed by step 5's retention.
     root = _copy(saved[0], tmp_path)

@@ -111,7 +111,7 @@ def test_two_different_tensors_mapped_to_one_key_are_an_error(tmp_path: Path) ->
 
 
 def test_expert_shards_that_miss_experts_are_an_error() -> None:
-    from graphpipe.checkpoint import _join_experts
+    from graphpipe.checkpoint.state import _join_experts
 
     with pytest.raises(
         ValueError,

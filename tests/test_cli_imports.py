@@ -81,11 +81,11 @@ def test_help_and_version_import_no_torch(argv: list[str], tmp_path: Path) -> No
         ["bench", "--microbatches", "3"],
         ["profile"],  # --out is required
         ["profile", "--out", "/tmp/x", "--steps", "0"],
-        ["bench", "--json", "/nonexistent/dir/b.json"],  # an output path (graphpipe.outputs)
+        ["bench", "--json", "/nonexistent/dir/b.json"],  # an output path (cmdline.outputs)
         ["profile", "--out", "/proc/nope/prof"],
         ["train", "--checkpoint-dir", "/proc"],
         ["export", "/tmp", "/proc/x.pt"],
-        # sizes whose estimated memory is above the machine's (graphpipe.footprint)
+        # sizes whose estimated memory is above the machine's (graphpipe.schedule.footprint)
         ["schedule", "--ranks", "2", "--microbatches", "1000000000"],
         ["schedule", "--ranks", "100000", "--microbatches", "200000"],
         ["bench", "--ranks", "2", "--microbatches", "1000000000"],

@@ -1,4 +1,4 @@
-"""The options several commands share (``graphpipe.cli_options``): each command's parser has
+"""The options several commands share (``graphpipe.cmdline.options``): each command's parser has
 them with the same names, choices, defaults and help texts, and a bad value is the same
 one-line error, exit status 2, from every command. In this process: nothing is spawned."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from graphpipe import cli_options
 from graphpipe.cli import _build_parser, main
-from graphpipe.costs import Costs
+from graphpipe.cmdline import options as cli_options
+from graphpipe.schedule.costs import Costs
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:

@@ -1,5 +1,5 @@
 """Every output path of every subcommand is checked before any work: one line naming the
-flag, the path and why, exit status 2, nothing written (``graphpipe.outputs``)."""
+flag, the path and why, exit status 2, nothing written (``graphpipe.cmdline.outputs``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from graphpipe.cli import main
-from graphpipe.outputs import check_output_dir, check_output_file
+from graphpipe.cmdline.outputs import check_output_dir, check_output_file
 
 MISSING = "/nonexistent/dir"
 

@@ -13,8 +13,8 @@ import pytest
 
 from graphpipe import cli
 from graphpipe.cli import main
-from graphpipe.ir import format_csv
-from graphpipe.schedules import dualpipev
+from graphpipe.schedule.generators import dualpipev
+from graphpipe.schedule.ir import format_csv
 from tests.torch_oracle import TorchAction, dualpipev_rows
 
 ROOT = Path(__file__).resolve().parents[1]

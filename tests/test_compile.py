@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import graphpipe
-from graphpipe.ir import Op
+from graphpipe.schedule.ir import Op
 from graphpipe.weightgrad import DeferrableLinear, WeightGradStore, make_deferrable
 from tests.pipeline_models import batch, build_stages, local_stages, mse, unique_params
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import graphpipe
-from graphpipe.ir import Op
+from graphpipe.schedule.ir import Op
 from graphpipe.weightgrad import DeferrableLinear
 from tests.pipeline_models import (
     Checkpointed,

@@ -1,7 +1,7 @@
 """Processes that end with pipelines alive (eager and captured, never closed) exit with 0.
 
 A short run of ``profiles/exit_soak.py`` (the abort it guards against, ``terminate called
-without an active exception``, is rare: see ``graphpipe/runtime/lifetime.py``): two runs of
+without an active exception``, is rare: see ``runtime/coordination/lifetime.py``): two runs of
 two fresh gloo ranks, one that simply returns and one that destroys the process group first.
 What makes it fail every time, not by chance: each rank reports how many of its pipelines'
 gloo groups are still held after graphpipe's exit hooks, and a run with any fails (a

@@ -2,7 +2,7 @@
 
 Every case runs with a pipeline timeout of 300 s and a gloo timeout of 300 s: a rank that
 learned of a failure only through a timeout would hang the test past ``run_ranks``' limit,
-so passing proves the failure travelled by the protocol (``graphpipe.runtime.faults``).
+so passing proves the failure travelled by the protocol (``graphpipe.runtime.coordination.faults``).
 
 The cases of ``_case`` run with the garbage collector off and keep every error they catch: a
 rank tells the ranks blocked on it by closing its connections, which must not wait for the

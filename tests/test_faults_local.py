@@ -1,5 +1,5 @@
 """Who is to blame when no rank raised, told from the peers' status, in one process: the
-diagnosis of ``runtime/faults.py`` on a ``HashStore``, and the store's host (``store.py``).
+diagnosis of ``coordination/faults.py`` on a ``HashStore``, and the store's host (``store.py``).
 The spawned cases are in ``test_faults_named_dist.py``."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from graphpipe.runtime.faults import CommFailure, FaultNotices, Faults
-from graphpipe.runtime.status import Blocked, ProcessStatus, describe_pipeline
-from graphpipe.runtime.store import JobStore, StoreLost, store_host
+from graphpipe.runtime.coordination.faults import CommFailure, FaultNotices, Faults
+from graphpipe.runtime.coordination.status import Blocked, ProcessStatus, describe_pipeline
+from graphpipe.runtime.coordination.store import JobStore, StoreLost, store_host
 
 KEY = "graphpipe/0_1_2_3/1"
 TIMED_OUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms")
@@ -86,13 +86,15 @@ def test_a_lost_peer_closes_the_pipeline_and_the_lost_rank_learns_it() -> None:
     )
     faults.groups = groups
     faults.doing("wait 3RECV_F1")  # what the step loop records
-    error = faults.consequence(CommFailure(1, "wait 3RECV_F1", TIMED_OUT))
+    error = faults.error_for_comm_failure(CommFailure(1, "wait 3RECV_F1", TIMED_OUT))
     assert type(error).__name__ == "PipelineError"
     assert faults.closed.startswith("pipeline closed: rank 1 was lost in step 3")
     peer = Faults(FaultNotices(store, KEY, 1), groups, 1)  # rank 1, continued later
     peer.call = 3
     peer.doing("wait 0RECV_B1")
-    told = peer.consequence(CommFailure(0, "wait 0RECV_B1", RuntimeError("Connection closed")))
+    told = peer.error_for_comm_failure(
+        CommFailure(0, "wait 0RECV_B1", RuntimeError("Connection closed"))
+    )
     assert type(told).__name__ == "PipelineClosed"
     assert str(told).startswith(
         "pipeline closed: the other ranks gave up on this rank (rank 1) in step 3: rank 0 at"

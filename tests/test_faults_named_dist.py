@@ -6,7 +6,7 @@ notice, a closed connection, a configuration that differs), or, where a timeout 
 mechanism, that the rank waited for it. There is no upper bound on how long: a rank that
 waits past its message hangs ``run_ranks``, which then fails with every rank's stack. The
 pipeline timeouts are short (3 s) so that the cases that must wait for one stay cheap; see
-``graphpipe.runtime.faults`` and ``runtime/config.py``.
+``graphpipe.runtime.coordination.faults`` and ``runtime/coordination/config.py``.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_ranks_configured_differently_fail_at_construction_naming_both_values() 
 
 
 def test_a_custom_schedule_that_differs_is_named_by_its_first_different_action() -> None:
-    from graphpipe.runtime.config import PipelineConfig, _differences
+    from graphpipe.runtime.coordination.config import PipelineConfig, _differences
 
     a = PipelineConfig({"schedule": "'custom'"}, {"0": ["0F0", "0F1"], "1": ["1F0"]})
     b = PipelineConfig({"schedule": "'custom'"}, {"0": ["0F1", "0F0"], "1": ["1F0"]})
@@ -217,7 +217,7 @@ def _opposite_orders_case(rank: int, world: int) -> dict:
 
 
 def test_two_pipelines_called_in_opposite_orders_name_the_other_pipeline() -> None:
-    from graphpipe.runtime.status import describe_pipeline
+    from graphpipe.runtime.coordination.status import describe_pipeline
 
     r0, r1 = run_ranks(_opposite_orders_case, 2, timeout=120, pg_timeout=60)
     first, second = map(describe_pipeline, r0["keys"])

@@ -1,4 +1,4 @@
-"""``graphpipe.footprint``: the memory a schedule size needs, estimated before anything is
+"""``graphpipe.schedule.footprint``: the memory a schedule size needs, estimated before anything is
 built, held above what is really built; the limit it is checked against; and the commands
 that refuse a size above it (one line naming the estimate and the limit, status 2).
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from graphpipe import footprint
 from graphpipe.cli import main
-from graphpipe.costs import Costs
-from graphpipe.lower import forward_only, lower, transfers
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import figures
-from graphpipe.validate import resolve_schedule
+from graphpipe.schedule import footprint
+from graphpipe.schedule.costs import Costs
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.lower import forward_only, lower, transfers
+from graphpipe.schedule.simulate import figures
+from graphpipe.schedule.validate import resolve_schedule
 
 SIZES = [(2, 4), (4, 16), (16, 64), (16, 128), (4, 256)]
 CASES = [(k, n, m) for k in sorted(SCHEDULES) for n, m in SIZES]

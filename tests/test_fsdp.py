@@ -46,7 +46,7 @@ def _case(mesh, case: dict) -> dict:
 
     import graphpipe
     from graphpipe.nvtx import Ranges
-    from graphpipe.runtime.fsdp import ShardedStages
+    from graphpipe.runtime.parts.fsdp import ShardedStages
 
     d, p = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     schedule, dtype = case["schedule"], case.get("dtype", torch.float64)
@@ -238,7 +238,7 @@ def test_each_stage_is_reduce_scattered_as_soon_as_its_gradients_are_final(resul
     """Under DualPipeV rank 0 holds stages 0 and 3: each is reduce-scattered once per step,
     right after its own last gradient action, and the first of them is posted while the
     step still has actions to run."""
-    from graphpipe.ir import Action, Op
+    from graphpipe.schedule.ir import Action, Op
 
     events = results[0]["dualpipev-reshard"]["events"]
     start = len(events) - 1 - events[::-1].index("=== step")  # the last training step

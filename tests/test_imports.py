@@ -32,17 +32,26 @@ FACADE_USERS = frozenset({"graphpipe.cli", "graphpipe.__main__"})
 """The only modules that may import the package facade ``graphpipe/__init__.py``: the command
 line entry (``graphpipe --version`` reads ``__version__``)."""
 
-SCHEDULE_LAYERS = (
-    "graphpipe.ir",
-    "graphpipe.packed",
-    "graphpipe.schedules",
-    "graphpipe.timing",
-    "graphpipe.lower",
-    "graphpipe.validate",
-    "graphpipe.simulate",
-    "graphpipe.render",
+SCHEDULE_LAYERS = tuple(
+    f"graphpipe.schedule.{m}"
+    for m in (
+        "ir packed costs generators timing lower validate simulate render footprint splits planner"
+    ).split()
 )
-"""The passes of the schedule half, bottom to top: each may import only those before it."""
+"""The modules of the schedule half, bottom to top (the table of ``graphpipe/schedule``'s
+docstring): each may import only those before it."""
+
+FOLDER_LAYERS = (
+    ("graphpipe.schedule",),
+    ("graphpipe.runtime.coordination",),
+    ("graphpipe.runtime.core",),
+    ("graphpipe.runtime.parts", "graphpipe.runtime.capture"),
+    ("graphpipe.runtime",),
+)
+"""The layers of the runtime's folders, bottom to top (docs/runtime.md): a module of one layer
+imports nothing of a layer above it, nor of another folder of its own layer (the parts and
+capture do not know each other). ``graphpipe.runtime`` is the facade's folder: the modules
+directly in it (``pipeline``) and what no folder below claims."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,10 +199,10 @@ GRAPH = import_graph(PACKAGES)
 
 
 def test_the_graph_covers_the_package_and_the_kernels() -> None:
-    assert "graphpipe.ir" in GRAPH and "graphpipe.runtime.pipeline" in GRAPH
+    assert "graphpipe.schedule.ir" in GRAPH and "graphpipe.runtime.pipeline" in GRAPH
     assert "graphpipe.kernels.rms_norm" in GRAPH
     assert "graphpipe.kernels._dispatch" in GRAPH["graphpipe.kernels.rms_norm"]
-    assert "graphpipe.ir" in GRAPH["graphpipe.lower"]
+    assert "graphpipe.schedule.ir" in GRAPH["graphpipe.schedule.lower"]
 
 
 def test_the_import_graph_has_no_cycles() -> None:
@@ -215,12 +224,12 @@ def test_the_runtime_imports_nothing_from_the_models() -> None:
 
 
 def test_the_runtime_checks_schedules_without_the_execution_model() -> None:
-    """The runtime takes ``resolve_schedule`` from ``graphpipe.validate``; the simulator
-    (``graphpipe.simulate``) is for the tools above it."""
+    """The runtime takes ``resolve_schedule`` from ``graphpipe.schedule.validate``; the simulator
+    (``graphpipe.schedule.simulate``) is for the tools above it."""
     found = sorted(
         m
         for m, targets in GRAPH.items()
-        if m.startswith("graphpipe.runtime") and "graphpipe.simulate" in targets
+        if m.startswith("graphpipe.runtime") and "graphpipe.schedule.simulate" in targets
     )
     assert not found, found
 
@@ -229,12 +238,12 @@ def test_the_runtime_checks_schedules_without_the_execution_model() -> None:
 TORCH_PRIVATES = {
     "_foreach_mul_": "torch._foreach_mul_ (clipping: one scale over many gradients)",
     "_foreach_norm": "torch._foreach_norm (clipping: the norms of many gradients)",
-    "_fsdp_param_group": "FSDP2's state (runtime/fsdp.py: reduce-scatter now, torch 2.11)",
-    "_state_ctx": "FSDP2's state (runtime/fsdp.py), as torch.distributed.pipelining reads it",
-    "_root_post_backward_final_callback": "FSDP2's state (runtime/fsdp.py), as pipelining",
-    "_get_default_store": "the job's c10d store (runtime/groups.py)",
+    "_fsdp_param_group": "FSDP2's state (runtime/parts/fsdp.py: reduce-scatter now, torch 2.11)",
+    "_state_ctx": "FSDP2's state (runtime/parts/fsdp.py), as torch.distributed.pipelining reads it",
+    "_root_post_backward_final_callback": "FSDP2's state (runtime/parts/fsdp.py), as pipelining",
+    "_get_default_store": "the job's c10d store (runtime/coordination/groups.py)",
     "_per_optimizer_states": "GradScaler's found-inf tensors (Pipeline.unscale_)",
-    "_execution_engine": "autograd's engine without Python-side checks (runtime/stage.py)",
+    "_execution_engine": "autograd's engine without Python-side checks (runtime/core/stage.py)",
     # The CPU graph (runtime/capture/cpu_graph.py) records and replays below torch's Python
     # API, at the dispatcher, as torch's own dispatch modes do:
     "_C": "torch._C._AutoDispatchBelowADInplaceOrView: a replay runs below autograd",
@@ -247,8 +256,8 @@ TORCH_PRIVATES = {
     "_local_scalar_dense": "the aten operation of .item(): a host sync (cpu_graph.py)",
     "_c10d_functional": "the functional collectives' namespace (cpu_graph.py)",
     "_ops": "torch._ops.HigherOrderOperator: flex_attention's dense kernel is recorded",
-    "_set_default_backend": "a ProcessGroup over a gloo backend (runtime/groups.py)",
-    "_register_backend": "a ProcessGroup over a gloo backend (runtime/groups.py)",
+    "_set_default_backend": "a ProcessGroup over a gloo backend (runtime/coordination/groups.py)",
+    "_register_backend": "a ProcessGroup over a gloo backend (runtime/coordination/groups.py)",
 }
 
 
@@ -447,3 +456,77 @@ def test_builder_finds_and_names_a_planted_cycle(tmp_path: Path) -> None:
 def test_find_cycles_lists_each_cycle_of_one_component_once() -> None:
     graph = {"p": {"a", "b"}, "a": {"p"}, "b": {"p", "a"}, "x": {"x2"}, "x2": set()}
     assert find_cycles(graph) == [("a", "p"), ("a", "p", "b"), ("b", "p")]
+
+
+def _folder_layer(module: str) -> int | None:
+    """The index in ``FOLDER_LAYERS`` of the deepest folder that holds ``module``."""
+    best = None
+    for i, folders in enumerate(FOLDER_LAYERS):
+        for folder in folders:
+            if module == folder or module.startswith(folder + "."):
+                if best is None or len(folder) > len(best[1]):
+                    best = (i, folder)
+    return None if best is None else best[0]
+
+
+def _folder(module: str) -> str | None:
+    found = [f for fs in FOLDER_LAYERS for f in fs if module == f or module.startswith(f + ".")]
+    return max(found, key=len) if found else None
+
+
+def test_the_runtimes_folders_import_only_downwards() -> None:
+    found = []
+    for module, targets in GRAPH.items():
+        low = _folder_layer(module)
+        if low is None:
+            continue
+        for target in targets:
+            high = _folder_layer(target)
+            if high is None:
+                continue
+            if high > low or (high == low and _folder(target) != _folder(module)):
+                found.append(f"{module} imports {target}")
+    assert not found, sorted(found)
+
+
+def test_the_schedule_half_imports_no_torch_and_nothing_above_it() -> None:
+    found = []
+    for module, path in module_files(PACKAGES).items():
+        if not module.startswith("graphpipe.schedule"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            found += [f"{module} imports {n}" for n in names if n.split(".")[0] == "torch"]
+        found += [
+            f"{module} imports {t}"
+            for t in GRAPH[module]
+            if not t.startswith("graphpipe.schedule") and t != "graphpipe"
+        ]
+    assert not found, sorted(found)
+
+
+def test_the_top_level_holds_few_modules() -> None:
+    """The layers live in folders: the top of ``graphpipe/`` keeps the package's front and
+    the small modules every layer shares."""
+    top = sorted(p.stem for p in PACKAGES["graphpipe"].glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_every_moved_module_imports_by_its_old_name_as_the_same_module() -> None:
+    import importlib
+
+    from graphpipe._lazy import MOVED
+
+    files = module_files(PACKAGES)
+    for old, new in MOVED.items():
+        assert new in files, f"{old} -> {new}: no such module"
+        assert old not in files, f"{old} is a module again: drop it from MOVED"
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert importlib.import_module(new).__spec__.name == new

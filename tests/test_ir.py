@@ -6,9 +6,9 @@ import csv
 
 import pytest
 
-from graphpipe.ir import Action, Op, dump_csv, format_csv, load_csv, parse_csv
-from graphpipe.lower import lower
-from graphpipe.schedules import SCHEDULES, dualpipev, zbv
+from graphpipe.schedule.generators import SCHEDULES, dualpipev, zbv
+from graphpipe.schedule.ir import Action, Op, dump_csv, format_csv, load_csv, parse_csv
+from graphpipe.schedule.lower import lower
 from tests.torch_oracle import TorchAction, dualpipev_rows, zbv_rows
 
 SIZES = [(1, 2), (2, 4), (2, 7), (3, 6), (4, 10), (5, 13)]

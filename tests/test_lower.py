@@ -6,8 +6,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from graphpipe.ir import Action, Op, Placement
-from graphpipe.lower import (
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.ir import Action, Op, Placement
+from graphpipe.schedule.lower import (
     Step,
     channel,
     comms_needed,
@@ -19,9 +20,8 @@ from graphpipe.lower import (
     peer,
     transfers,
 )
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs, dataflow, simulate
-from graphpipe.validate import ScheduleError
+from graphpipe.schedule.simulate import Costs, dataflow, simulate
+from graphpipe.schedule.validate import ScheduleError
 
 SENDS = (Op.SEND_F, Op.SEND_B)
 

@@ -51,6 +51,7 @@ def _run(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # eight processes: the slow lane (docs/development.md)
 def test_dp_pp_tp_mesh_trains_as_one_process_on_the_whole_batch() -> None:
     results = run_ranks(_run, DP * PP * TP, timeout=240)
     # the mean over the whole batch is the replicas' mean of their means (equal shares)

@@ -10,8 +10,8 @@ from torch import nn
 
 from graphpipe.models import LlamaConfig, measure_stage, plan_hf_split, plan_llama_split
 from graphpipe.models.planning import rank_threads
-from graphpipe.planner import MemoryBudgetExceeded, StagePlan
-from graphpipe.splits import check_layers_per_stage
+from graphpipe.schedule.planner import MemoryBudgetExceeded, StagePlan
+from graphpipe.schedule.splits import check_layers_per_stage
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face tests need transformers (pip install graphpipe[hf])"

@@ -19,6 +19,7 @@ def _rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_train_dp2_ep2_experts_on_4_ranks_reports_drops_and_the_loss_falls(tmp_path) -> None:
     metrics = tmp_path / "m.jsonl"
     proc = _train(
@@ -69,6 +70,7 @@ def test_train_rejects_bad_moe_options_naming_the_value(args, message, capsys) -
     assert message in err
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_bench_moe_regime_writes_the_pair_against_f_then_b(tmp_path) -> None:
     import subprocess
     import sys

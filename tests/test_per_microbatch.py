@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import graphpipe
-from graphpipe.runtime.structured import (
+from graphpipe.runtime.core.structured import (
     ConstantChanged,
     check_capturable,
     check_captured,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from graphpipe.cli import main
-from graphpipe.plan_command import parse_bytes
+from graphpipe.cli.plan import parse_bytes
 
 TINY = ["--batch-size", "8", "--seq-len", "8", "--reps", "1"]
 
@@ -196,8 +196,8 @@ def test_attn_overrides_the_choice(hf_dir, capsys) -> None:
 
 def test_help_and_docs_name_the_families_the_splitter_is_tested_on(capsys) -> None:
     pytest.importorskip("transformers")
+    from graphpipe.cli.plan import HF_FAMILIES
     from graphpipe.models.hf import SUPPORTED_MODEL_TYPES
-    from graphpipe.plan_command import HF_FAMILIES
 
     assert HF_FAMILIES == SUPPORTED_MODEL_TYPES
     code, out, _ = _run(["--help"], capsys)
@@ -261,8 +261,8 @@ def test_schedule_auto_says_what_it_chose_among_and_why(capsys) -> None:
 
 
 def test_a_long_search_reports_its_progress_and_bound_on_stderr(capsys) -> None:
-    from graphpipe.plan_command import _Progress
-    from graphpipe.planner import PlanProgress
+    from graphpipe.cli.plan import _Progress
+    from graphpipe.schedule.planner import PlanProgress
 
     progress = _Progress()
 

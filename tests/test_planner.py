@@ -1,4 +1,4 @@
-"""The stage planner (graphpipe.planner): splits whose optimum is known by hand, the
+"""The stage planner (graphpipe.schedule.planner): splits whose optimum is known by hand, the
 invariants of every plan, memory budgets and refusals. No timings: every cost is synthetic."""
 
 from __future__ import annotations
@@ -6,21 +6,18 @@ from __future__ import annotations
 import itertools
 import random
 
-import hypothesis
 import numpy as np
 import pytest
-from hypothesis import strategies as st
 
-from graphpipe.planner import (
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.planner import (
     AUTO_SCHEDULES,
     LayerCost,
-    MemoryBudgetExceeded,
     StagePlan,
     plan_stages,
 )
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs, figures
-from graphpipe.splits import layers_per_stage
+from graphpipe.schedule.simulate import Costs, figures
+from graphpipe.schedule.splits import layers_per_stage
 
 LAYER = LayerCost(1.0, 1.0, 1.0)  # F = 1, I = 1, W = 1, so B = 2
 
@@ -41,7 +38,7 @@ def _exhaustive_best(layers, first, last, num_stages, m, schedule) -> float:
 
 def _fixed(layers, first, last, counts, m, schedule) -> float:
     """The predicted step of one split: the planner's own evaluation of it."""
-    from graphpipe.planner import _Model
+    from graphpipe.schedule.planner import _Model
 
     kind = SCHEDULES[schedule]
     model = _Model(kind, len(counts) // kind.stages_per_rank, m, layers, first, last, 0.0, 0)
@@ -251,7 +248,7 @@ def test_a_plan_prints_beside_the_even_split_and_as_json_data() -> None:
 def test_predict_step_of_a_plans_stage_costs_is_its_prediction(schedule: str) -> None:
     from dataclasses import replace
 
-    from graphpipe.planner import predict_step
+    from graphpipe.schedule.planner import predict_step
 
     layer = LayerCost(forward=1.0, backward_input=1.5, backward_weight=0.5)
     head = LayerCost(forward=6.0, backward_input=6.0, backward_weight=6.0)
@@ -268,7 +265,7 @@ def test_predict_step_of_a_plans_stage_costs_is_its_prediction(schedule: str) ->
 
 
 def test_predict_step_refuses_a_stage_count_the_schedule_cannot_place() -> None:
-    from graphpipe.planner import predict_step
+    from graphpipe.schedule.planner import predict_step
 
     with pytest.raises(ValueError, match="2 stages on each rank: got 3 stage costs"):
         predict_step([Costs()] * 3, num_microbatches=8)
@@ -279,7 +276,7 @@ def test_predict_step_refuses_a_stage_count_the_schedule_cannot_place() -> None:
 @pytest.mark.parametrize("bad", [8.0, 0, True, "8"])
 def test_predict_step_refuses_a_microbatch_count_that_is_not_a_positive_int(bad: object) -> None:
     """p07: ``num_microbatches=8.0`` failed inside numpy ("ufunc 'left_shift' not supported")."""
-    from graphpipe.planner import predict_step
+    from graphpipe.schedule.planner import predict_step
 
     with pytest.raises(
         ValueError, match=rf"^num_microbatches must be an int >= 1, got num_microbatches={bad!r}$"
@@ -299,132 +296,6 @@ def _every_split(n_layers: int, num_stages: int) -> list[list[int]]:
         if all(c >= 1 for c in counts[1:-1]):
             out.append(counts)
     return out
-
-
-@st.composite
-def _memory_cases(draw) -> dict:
-    """A small model with bytes, a schedule and a budget drawn among its splits' own peaks
-    (so that some fit, or, one byte below the least, none)."""
-    schedule = draw(st.sampled_from(["dualpipev", "zbv", "1f1b"]))
-    kind = SCHEDULES[schedule]
-    ranks = draw(st.integers(1, 3))
-    stages = kind.num_stages(ranks)
-    n_layers = draw(st.integers(max(stages - 2, 0), 7))
-    m = draw(st.integers(2 * ranks, 2 * ranks + 3))
-    small = st.integers(0, 100)
-
-    def cost(**kw) -> LayerCost:
-        return LayerCost(
-            draw(st.floats(0.5, 2)), draw(st.floats(0.5, 2)), draw(st.floats(0, 2)), **kw
-        )
-
-    layers = [
-        cost(
-            activation_bytes=draw(small),
-            weight_grad_bytes=draw(small),
-            parameter_bytes=draw(st.integers(0, 1000)),
-        )
-        for _ in range(n_layers)
-    ]
-    first = cost(activation_bytes=draw(small), parameter_bytes=draw(st.integers(0, 1000)))
-    last = cost(
-        activation_bytes=draw(st.integers(0, 400)),
-        weight_grad_bytes=draw(small),
-        parameter_bytes=draw(st.integers(0, 1000)),
-    )
-    tied = draw(st.integers(0, min(first.parameter_bytes, last.parameter_bytes)))
-    return {
-        "layers": layers,
-        "first": first,
-        "last": last,
-        "stages": stages,
-        "ranks": ranks,
-        "m": m,
-        "schedule": schedule,
-        "tied": tied,
-        "pick": draw(st.floats(-0.01, 1)),  # where the budget falls among the peaks
-    }
-
-
-def _brute_force(case: dict) -> tuple[int, list[tuple[list[int], int, float]]]:
-    """The budget of the case and, for every valid split, its peak (the fullest rank's, by
-    the planner's own accounting) and its step."""
-    from graphpipe.planner import _Model
-
-    kind = SCHEDULES[case["schedule"]]
-    model = _Model(
-        kind,
-        case["ranks"],
-        case["m"],
-        case["layers"],
-        case["first"],
-        case["last"],
-        0.0,
-        case["tied"],
-    )
-    rows = []
-    for counts in _every_split(len(case["layers"]), case["stages"]):
-        vec = model.stage_vectors(counts)
-        rows.append((counts, max(model.peaks(vec)), model.makespan(vec)))
-    peaks = sorted({peak for _, peak, _ in rows})
-    pick = case["pick"]
-    budget = peaks[0] - 1 if pick < 0 else peaks[min(int(pick * len(peaks)), len(peaks) - 1)]
-    return max(budget, 1), rows
-
-
-@hypothesis.settings(
-    max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True
-)
-@hypothesis.given(_memory_cases())
-def test_a_split_that_fits_the_budget_is_found_and_the_fastest_of_them_chosen(case) -> None:
-    """Brute force over every split: when one fits by its own peak accounting, the plan fits
-    and is the fastest that fits (so few fit in these cases that all are simulated); when
-    none fits, the refusal names the least any split needs."""
-    budget, rows = _brute_force(case)
-    kwargs = {
-        "num_microbatches": case["m"],
-        "schedule": case["schedule"],
-        "first_costs": case["first"],
-        "last_costs": case["last"],
-        "tied_parameter_bytes": case["tied"],
-        "memory_budget": budget,
-    }
-    fitting = [(counts, step) for counts, peak, step in rows if peak <= budget]
-    if not fitting:
-        with pytest.raises(MemoryBudgetExceeded) as info:
-            plan_stages(case["layers"], case["stages"], **kwargs)
-        least = min(peak for _, peak, _ in rows)
-        assert info.value.shortfall == least - budget
-        assert max(info.value.closest.peak_memory_bytes) == least
-        return
-    plan = plan_stages(case["layers"], case["stages"], **kwargs)
-    assert max(plan.peak_memory_bytes) <= budget
-    assert plan.predicted_step_s == pytest.approx(min(step for _, step in fitting), rel=1e-9)
-
-
-@hypothesis.settings(
-    max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True
-)
-@hypothesis.given(_memory_cases())
-def test_the_exact_memory_check_counts_and_lists_every_split_that_fits(case) -> None:
-    from graphpipe.planner import _Fitting, _Model
-
-    budget, rows = _brute_force(case)
-    kind = SCHEDULES[case["schedule"]]
-    model = _Model(
-        kind,
-        case["ranks"],
-        case["m"],
-        case["layers"],
-        case["first"],
-        case["last"],
-        0.0,
-        case["tied"],
-    )
-    fitting = _Fitting(model, budget)
-    expected = sorted(counts for counts, peak, _ in rows if peak <= budget)
-    assert fitting.count == len(expected)
-    assert sorted(fitting.splits(10**6)) == expected
 
 
 def test_the_one_split_that_fits_is_found_where_the_moves_do_not_lead() -> None:
@@ -476,7 +347,7 @@ def test_bytes_are_whole_numbers() -> None:
 def test_splits_simulated_together_take_exactly_the_dataflow_timing(
     schedule, ranks, m, p2p
 ) -> None:
-    from graphpipe.planner import _Model
+    from graphpipe.schedule.planner import _Model
 
     rnd = random.Random(ranks)
     layers = [
@@ -493,7 +364,7 @@ def test_splits_simulated_together_take_exactly_the_dataflow_timing(
 
 
 def test_progress_reports_the_best_step_and_a_bound_no_split_beats() -> None:
-    from graphpipe.planner import PlanProgress
+    from graphpipe.schedule.planner import PlanProgress
 
     rnd = random.Random(0)
     layers = [LayerCost(rnd.uniform(1, 2), rnd.uniform(1, 2), rnd.uniform(1, 2)) for _ in range(40)]
@@ -510,7 +381,7 @@ def test_progress_reports_the_best_step_and_a_bound_no_split_beats() -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_no_split_beats_the_bound_progress_reports(seed: int) -> None:
-    from graphpipe.planner import _Model
+    from graphpipe.schedule.planner import _Model
 
     rnd = random.Random(seed)
     schedule = ("dualpipev", "zbv", "1f1b")[seed % 3]
@@ -548,7 +419,7 @@ def _plan_of(schedule: str, step: float, peak: int, even_peak: int | None = None
 
 
 def test_choose_plan_takes_what_holds_least_within_the_tie_margin() -> None:
-    from graphpipe.planner import choose_plan
+    from graphpipe.schedule.planner import choose_plan
 
     zbv, dualpipev = _plan_of("zbv", 1.00, 2**20), _plan_of("dualpipev", 0.99, 2**21)
     # DualPipeV is 1% faster: strictly the fastest, but within a 3% margin of ZB-V
@@ -591,7 +462,7 @@ def test_the_memory_check_stays_exact_where_the_splits_are_astronomically_many()
     # floating point lost the small counts beside the large ones (1.2 million splits fitting
     # a budget none fits, positions marked reachable that were not). They are counted in
     # integers up to _MANY (saturating).
-    from graphpipe.planner import _MANY, _Fitting, _Model
+    from graphpipe.schedule.planner import _MANY, _Fitting, _Model
 
     rnd = random.Random(0)
     layers = [

@@ -13,8 +13,8 @@ import pytest
 from graphpipe.profile import Range, analyse, assign_ranks, load_chrome_traces, load_nsys
 from graphpipe.profile.nsys import has_cuda_trace
 from graphpipe.profile.report import format_table, timeline_svg, write_outputs
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.simulate import Costs
 from tests.profile_traces import Export, Spans, nsys_export, simulated_spans
 
 MS = 1e-3

@@ -13,8 +13,8 @@ import pytest
 
 from graphpipe.cli import main
 from graphpipe.profile.quiet import kineto_info_dropped
-from graphpipe.schedules import dualpipev
-from graphpipe.simulate import Costs
+from graphpipe.schedule.generators import dualpipev
+from graphpipe.schedule.simulate import Costs
 from tests.profile_traces import nsys_export, simulated_spans
 
 SVG = "{http://www.w3.org/2000/svg}"

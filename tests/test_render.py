@@ -7,10 +7,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from graphpipe.lower import lower
-from graphpipe.render import _COLOURS, _WAIT, render_svg, render_timelines, write_picture
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs, simulate
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.lower import lower
+from graphpipe.schedule.render import _COLOURS, _WAIT, render_svg, render_timelines, write_picture
+from graphpipe.schedule.simulate import Costs, simulate
 
 SVG = "{http://www.w3.org/2000/svg}"
 

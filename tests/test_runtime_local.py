@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphpipe
-from graphpipe.ir import Op
+from graphpipe.schedule.ir import Op
 from tests.pipeline_models import Block, batch, build_stages, local_stages, mse, reference
 
 

@@ -18,25 +18,25 @@ from torch import nn
 
 from graphpipe import models
 from graphpipe.errors import PipelineError
-from graphpipe.ir import Action, Placement
-from graphpipe.lower import Step, lower, transfers
 from graphpipe.meta import DTYPE_CODE
 from graphpipe.roles import mark_tied, unique_parameters
-from graphpipe.runtime.accumulation import GradSync
-from graphpipe.runtime.batch import (
+from graphpipe.runtime.core.batch import (
     BatchAgreement,
     BatchSignature,
     describe_keywords,
     keywords_signature,
 )
-from graphpipe.runtime.clipping import GradClipper, check_clip_args
-from graphpipe.runtime.context import RankContext
-from graphpipe.runtime.loss import LossReducer
-from graphpipe.runtime.program import Instr, Program, StepHooks, Trailing, compile_program
-from graphpipe.runtime.stage import StageRunner
-from graphpipe.runtime.step import StepLoop
-from graphpipe.runtime.tied import TiedWeights
-from graphpipe.schedules import dualpipev, one_f_one_b
+from graphpipe.runtime.core.context import RankContext
+from graphpipe.runtime.core.loss import LossReducer
+from graphpipe.runtime.core.program import Instr, Program, StepHooks, Trailing, compile_program
+from graphpipe.runtime.core.stage import StageRunner
+from graphpipe.runtime.core.step import StepLoop
+from graphpipe.runtime.parts.accumulation import GradSync
+from graphpipe.runtime.parts.clipping import GradClipper, check_clip_args
+from graphpipe.runtime.parts.tied import TiedWeights
+from graphpipe.schedule.generators import dualpipev, one_f_one_b
+from graphpipe.schedule.ir import Action, Placement
+from graphpipe.schedule.lower import Step, lower, transfers
 
 F32, F64, I64 = DTYPE_CODE[torch.float32], DTYPE_CODE[torch.float64], DTYPE_CODE[torch.int64]
 

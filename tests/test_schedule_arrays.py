@@ -1,4 +1,4 @@
-"""The passes on arrays (``graphpipe.packed``) give what the object-by-object algorithms gave
+"""The passes on arrays (``schedule.packed``) give what the object-by-object algorithms gave
 (``tests.schedule_oracle``), errors included; each of their ways (rounds or work list, one
 chunk or many, the dataflow shortcut or the event loop) gives the same; and ``figures``
 builds no object per action. (What an action costs at 64 and 256 ranks is a benchmark:
@@ -12,14 +12,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import graphpipe.packed as packed
-import graphpipe.timing as timing
-from graphpipe.ir import Action, Op
-from graphpipe.lower import Step, lower, lower_cells
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs, dataflow, figures, simulate
-from graphpipe.timing import cell_times, dataflow_times
-from graphpipe.validate import ScheduleError, validate, validate_cells
+import graphpipe.schedule.packed as packed
+import graphpipe.schedule.timing as timing
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.ir import Action, Op
+from graphpipe.schedule.lower import Step, lower, lower_cells
+from graphpipe.schedule.simulate import Costs, dataflow, figures, simulate
+from graphpipe.schedule.timing import cell_times, dataflow_times
+from graphpipe.schedule.validate import ScheduleError, validate, validate_cells
 from tests import schedule_oracle as oracle
 
 COSTS = [

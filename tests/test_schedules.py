@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from graphpipe.ir import BACKWARD_OPS, Op, Placement, format_csv, load_csv, stage_to_rank
-from graphpipe.schedules import SCHEDULES, dualpipev, one_f_one_b, zbv
+from graphpipe.schedule.generators import SCHEDULES, dualpipev, one_f_one_b, zbv
+from graphpipe.schedule.ir import BACKWARD_OPS, Op, Placement, format_csv, load_csv, stage_to_rank
 from tests.torch_oracle import as_strings, dualpipev_rows, zbv_rows
 
 GOLDEN = Path(__file__).parent / "golden" / "dualpipev_n4_m10.csv"

@@ -26,8 +26,8 @@ def _gpipe_loop_csv(n: int, m: int) -> str:
 
 
 def _stage_ids(schedule, rank: int, n: int, m: int) -> tuple[int, ...]:
-    from graphpipe.ir import Placement, parse_csv
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule.generators import SCHEDULES
+    from graphpipe.schedule.ir import Placement, parse_csv
 
     if schedule == "csv":
         return Placement.from_schedule(parse_csv(_gpipe_loop_csv(n, m))).stages_of(rank)
@@ -48,7 +48,7 @@ def _case(
     receives: str | None = None,
 ) -> dict:
     import graphpipe
-    from graphpipe.ir import parse_csv
+    from graphpipe.schedule.ir import parse_csv
 
     stages = build_stages(_num_stages(schedule, world))
     ids = _stage_ids(schedule, rank, world, m)
@@ -130,7 +130,7 @@ def _check_against_the_reference(
 
 def test_a_schedule_with_ranks_the_group_does_not_have_is_refused() -> None:
     import graphpipe
-    from graphpipe.ir import parse_csv
+    from graphpipe.schedule.ir import parse_csv
 
     spec = parse_csv(_gpipe_loop_csv(2, 2))
     with pytest.raises(ValueError, match=r"the schedule has ranks \[0, 1\], but the pipeline"):

@@ -7,11 +7,11 @@ from dataclasses import asdict
 
 import pytest
 
-from graphpipe.ir import Action, Op, Placement
-from graphpipe.lower import Step, lower, peer
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import Costs, dataflow, simulate
-from graphpipe.validate import ScheduleError, format_grid, resolve_schedule, validate
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.ir import Action, Op, Placement
+from graphpipe.schedule.lower import Step, lower, peer
+from graphpipe.schedule.simulate import Costs, dataflow, simulate
+from graphpipe.schedule.validate import ScheduleError, format_grid, resolve_schedule, validate
 
 
 def _run(name: str, n: int, m: int, costs: Costs | None = None):

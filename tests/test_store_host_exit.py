@@ -134,7 +134,7 @@ BUILD_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("case", ["late", "refused"])
+@pytest.mark.parametrize("case", [pytest.param("late", marks=pytest.mark.slow), "refused"])
 def test_the_store_hosts_exit_after_a_failed_construction_waits_for_a_late_peer(tmp_path, case):
     # Issue 40: rank 0 gives up on a peer that starts late (or refuses its own arguments) and
     # its exception ends its process, the job's store with it: the late peer could only say

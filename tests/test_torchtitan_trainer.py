@@ -165,6 +165,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tmp, _seed_checkpoint(tmp)
 
 
+@pytest.mark.slow  # several torchtitan runs of 4 processes each: the slow lane
 @pytest.mark.distributed
 def test_torchtitans_trainer_trains_with_graphpipe_eager_and_captured(
     titan: tuple[Path, Path],
@@ -208,6 +209,7 @@ def test_torchtitans_trainer_trains_with_graphpipe_eager_and_captured(
     assert abs(stock[0][0] - eager[0][0]) <= 1e-5 * eager[0][0], (stock, eager)
 
 
+@pytest.mark.slow  # several torchtitan runs of 4 processes each: the slow lane
 @pytest.mark.distributed
 def test_torchtitans_trainer_with_data_parallelism_trains_with_graphpipe(
     titan: tuple[Path, Path],
@@ -233,6 +235,7 @@ def test_torchtitans_trainer_with_data_parallelism_trains_with_graphpipe(
     assert _close(captured, reference, 1e-5), (reference, captured)
 
 
+@pytest.mark.slow  # several torchtitan runs of 4 processes each: the slow lane
 @pytest.mark.distributed
 def test_torchtitans_trainer_with_tensor_parallelism_trains_with_graphpipe(
     titan: tuple[Path, Path],
@@ -248,6 +251,7 @@ def test_torchtitans_trainer_with_tensor_parallelism_trains_with_graphpipe(
     assert _close(captured, reference, 1e-5), (reference, captured)
 
 
+@pytest.mark.slow  # several torchtitan runs of 4 processes each: the slow lane
 @pytest.mark.distributed
 def test_torchtitans_trainer_with_expert_parallelism_trains_with_graphpipe(
     titan: tuple[Path, Path],

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from graphpipe.cli import main
-from graphpipe.launch import RunStopped
+from graphpipe.cmdline.launch import RunStopped
 from graphpipe.train import Progress, default_layers, default_microbatches
 
 pytestmark = pytest.mark.distributed
@@ -64,6 +64,7 @@ def test_train_writes_one_metrics_line_per_step_and_the_loss_falls(tmp_path):
     assert "step 12/12" in proc.stderr and "tok/s" in proc.stderr
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_train_reads_a_data_file_and_runs_on_one_rank(tmp_path):
     data = tmp_path / "text.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -102,6 +103,7 @@ def _losses(tmp_path, *args: str) -> tuple[list[float], str]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], proc.stderr
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_data_parallel_replicas_reproduce_the_single_pipeline_losses(tmp_path):
     """--dp 2 splits each batch across two replicas (world 2 x 1 rank): the same global
     batches, so the same losses as one pipeline on the whole batch."""
@@ -205,6 +207,7 @@ def test_layers_per_stage_that_are_not_numbers_are_argparses_one_line_error(caps
     )
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_a_chosen_split_trains_and_is_named_in_the_run_line(tmp_path) -> None:
     metrics = tmp_path / "m.jsonl"
     args = [*TINY[:2], *TINY[4:], "--layers-per-stage", "0,3,1,0", "--steps", "2"]
@@ -317,7 +320,7 @@ def uninterrupted(tmp_path_factory) -> list[tuple[int, float]]:
     return _step_losses(metrics)
 
 
-@pytest.mark.parametrize("capture", ["none", "step"])
+@pytest.mark.parametrize("capture", ["none", pytest.param("step", marks=pytest.mark.slow)])
 def test_a_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, capture):
     """Steps 1-4, then 5-6 resumed, equal the uninterrupted eager run bit for bit; with
     ``--capture step`` that also proves the captured run reproduces the eager one."""
@@ -352,6 +355,7 @@ def test_a_rank_killed_under_torchrun_resumes_from_the_last_checkpoint(tmp_path,
     assert _step_losses(metrics)[-1][1] == uninterrupted[-1][1]
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_the_default_model_trains_on_four_ranks(tmp_path) -> None:
     metrics = tmp_path / "m.jsonl"
     proc = _train("--ranks", "4", "--steps", "1", "--seq-len", "8", "--metrics", str(metrics))
@@ -388,6 +392,7 @@ def test_a_nonfinite_loss_stops_every_rank_at_its_step_with_one_line(tmp_path) -
     assert newest == f"step-{step - 1:08d}"
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_allow_nonfinite_trains_on_and_counts_the_steps(tmp_path) -> None:
     metrics = tmp_path / "m.jsonl"
     small = ["--ranks", "1", "--batch-size", "4", "--layers", "1", "--steps", "5"]

@@ -18,7 +18,7 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from graphpipe.runtime.fsdp import param_groups
+    from graphpipe.runtime.parts.fsdp import param_groups
     from graphpipe.weightgrad import DeferrableLinear, WeightGradStore, make_deferrable
 
     def build() -> nn.Sequential:

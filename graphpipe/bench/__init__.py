@@ -63,16 +63,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphpipe._lazy import lazy_attributes
-from graphpipe.cli_options import (
+from graphpipe.cmdline.options import (
     add_device_option,
     costs_arg,
     cuda_problem,
     non_negative_int,
     positive_int,
 )
-from graphpipe.footprint import add_memory_limit_argument
-from graphpipe.ir import SCHEDULE_KINDS
-from graphpipe.outputs import check_output_file
+from graphpipe.cmdline.outputs import check_output_file
+from graphpipe.schedule.footprint import add_memory_limit_argument
+from graphpipe.schedule.ir import SCHEDULE_KINDS
 
 from .options import REGIME_CHOICES, SYNTHETIC_COSTS
 
@@ -231,9 +231,9 @@ _PIPELINES_PER_RANK = 4
 
 
 def _check_memory(args: argparse.Namespace) -> str | None:
-    """Refuse a size whose schedules would not fit (``graphpipe.footprint``): every local
+    """Refuse a size whose schedules would not fit (``graphpipe.schedule.footprint``): every local
     rank holds ``_PIPELINES_PER_RANK`` schedules of every rank's actions."""
-    from graphpipe import footprint
+    from graphpipe.schedule import footprint
 
     n = args.ranks
     m = args.microbatches or 16 * n  # the largest regime default (overhead's)
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     ``--device cuda`` without CUDA skips the whole benchmark with a note (and a JSON holding
     only ``skipped``) and returns 0: the GPU figures exist only where a GPU does.
     """
-    from graphpipe.launch import joined_torchrun, launch
+    from graphpipe.cmdline.launch import joined_torchrun, launch
 
     if joined_torchrun():
         args.ranks = int(os.environ["WORLD_SIZE"])  # torchrun's world decides

@@ -127,9 +127,9 @@ def simulation(
     and (``slowdown``: ``in_step_slowdown``'s worst rank) the mean P2P with every cost
     multiplied by how much slower the actions ran inside the recorded step than alone.
     Also returns the ``SimResult`` of the mean-P2P variant (for the plot)."""
-    from graphpipe.lower import lower
-    from graphpipe.schedules import SCHEDULES
-    from graphpipe.simulate import Costs, simulate
+    from graphpipe.schedule.generators import SCHEDULES
+    from graphpipe.schedule.lower import lower
+    from graphpipe.schedule.simulate import Costs, simulate
 
     mean = mean_costs(per_rank_costs, world)
     schedule, placement = SCHEDULES["dualpipev"](world, w.microbatches)
@@ -167,7 +167,7 @@ def action_times(
     """Per rank: the time its compute actions took in a recorded step (the ranges named
     after an ``Action``: not ``step``, not the waits), and what ``cost(action)`` gives the
     same actions (zeros without ``cost``)."""
-    from graphpipe.ir import Action
+    from graphpipe.schedule.ir import Action
 
     taken = [0.0] * world
     predicted = [0.0] * world
@@ -205,7 +205,7 @@ def in_step_slowdown(
     uses) give the same actions. Above 1: the actions run slower inside the step than
     alone (the other rank's compute and gloo's threads on the same cores, caches); the
     rest of the gap to the simulation is waiting. 0 for a rank with no compute recorded."""
-    from graphpipe.simulate import Costs
+    from graphpipe.schedule.simulate import Costs
 
     costs = Costs(**mean_costs(per_rank_costs, world))
     taken, predicted = action_times(records, world, costs.of)

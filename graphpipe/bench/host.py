@@ -47,7 +47,7 @@ def _bare_loop(
 def _one_rank(device: torch.device, group: Any, steps: int, warmup: int, m: int) -> dict:
     """A one-rank pipeline (both stages local, no P2P) on ``group`` (this rank alone):
     graphpipe eager and torch's schedule against plain loops of the same stage calls."""
-    from graphpipe.schedules import dualpipev
+    from graphpipe.schedule.generators import dualpipev
     from graphpipe.weightgrad import WeightGradStore, make_deferrable
 
     w = host_workload(m, "host-1rank")
@@ -63,7 +63,7 @@ def _one_rank(device: torch.device, group: Any, steps: int, warmup: int, m: int)
         _BARE: _bare_loop(w.local_stages(0, 1, device), loss_fn, xs, ys),
         _BARE_DEFERRABLE: _bare_loop(deferrable, loss_fn, xs, ys),
     }
-    reps = max(10 * steps, 50)  # about a millisecond each
+    reps = max(10 * steps, 50)  # trivial stages make each rep short: many of them stay cheap
     times = interleaved({k: partial(wall_time, fn, device) for k, fn in runs.items()}, reps, warmup)
     for mode in modes:
         mode.close()
@@ -98,7 +98,7 @@ def host_overhead(
 ) -> dict[str, Any]:
     """Per-action host overhead with trivial stages: (a) the whole world, everything but
     compute, P2P included (this rank's step times); (b) on rank 0, a one-rank pipeline."""
-    from graphpipe.schedules import dualpipev
+    from graphpipe.schedule.generators import dualpipev
 
     w = host_workload(microbatches)
     modes, _ = build_modes(

@@ -4,7 +4,7 @@ before anything heavy is imported)."""
 
 from __future__ import annotations
 
-from graphpipe.costs import Costs
+from graphpipe.schedule.costs import Costs
 
 __all__ = ["REGIMES", "REGIME_CHOICES", "SYNTHETIC_COSTS"]
 

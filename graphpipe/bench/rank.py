@@ -151,7 +151,7 @@ def _measure(
 
 
 def bench_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
-    """One rank of ``graphpipe bench`` (run by ``graphpipe.launch.launch``, which also frees
+    """One rank of ``graphpipe bench`` (run by ``graphpipe.cmdline.launch.launch``, which also frees
     the pipelines before the process group): measure, gather to rank 0, report there."""
     group = dist.group.WORLD
     ctrl = control_group(group)

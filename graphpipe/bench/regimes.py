@@ -70,8 +70,8 @@ class Workload:
     seed: weights and batch.
     threads: intra-op threads per rank while it runs (None: the launcher's, the cores over
         the ranks). The overhead regime takes 1: its operations are too small for threads to
-        help, and the fork-join of a second thread costs each of them about a microsecond,
-        which would hide the host work the regime measures.
+        help, and the fork-join of a second thread adds a fixed cost to each of them
+        (docs/benchmarks.md), which would hide the host work the regime measures.
     """
 
     name: str

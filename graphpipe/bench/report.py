@@ -122,8 +122,8 @@ def write_plot(path: str, result: dict[str, Any], pictures: dict[str, Any], worl
     """Per regime, the measured timeline of one graphpipe eager step above the simulated one
     (``pictures``: regime -> ``SimResult``) on one time axis (ms), the regimes stacked into
     one SVG at ``path``."""
-    from graphpipe.render import render_timelines
-    from graphpipe.simulate import Costs
+    from graphpipe.schedule.render import render_timelines
+    from graphpipe.schedule.simulate import Costs
 
     out = Path(path)
     parts: list[str] = []

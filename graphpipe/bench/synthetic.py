@@ -4,11 +4,11 @@ Stages whose actions take fixed times: a forward sleeps ``F``, a full backward `
 input-gradient backward ``I`` and defers a weight-gradient closure that sleeps ``W`` (through
 the stage's ``WeightGradStore``, like a real weight-gradient GEMM), an overlapped F&B pair
 ``FB`` (the stage's ``overlapped_forward_backward`` hook), all in milliseconds. Sleeps need no
-cores, so 2 or 4 ranks fit a 2-core machine; what remains is the runtime itself: its host
+cores, so the ranks may outnumber the cores; what remains is the runtime itself: its host
 work, its P2P latency, and whether it lets each action start as soon as its data is there.
 
 The ideal is the dataflow makespan of the same schedule with the same costs
-(``graphpipe.simulate.dataflow``, no P2P latency); a runtime that hides its communication
+(``graphpipe.schedule.simulate.dataflow``, no P2P latency); a runtime that hides its communication
 and adds little host work per action comes within a few percent of it. The machine's own
 P2P latency (half the median round trip of a one-float message between ranks 0 and 1, gloo
 on CPU) is measured first, and a second ideal adds it to every message
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphpipe.simulate import Costs, dataflow
+from graphpipe.schedule.simulate import Costs, dataflow
 
 from .options import SYNTHETIC_COSTS
 
@@ -36,9 +36,9 @@ _SPIN_S = 0.0003  # the last 0.3 ms of a sleep is a busy wait (see _sleep)
 
 
 def _sleep(ms: float) -> None:
-    """Sleep ``ms`` milliseconds, precisely: ``time.sleep`` overshoots by 2-3% per call on a
-    busy 2-core machine (0.3 ms per 10 ms measured here), which would be charged to the
-    runtime; the last 0.3 ms is spent spinning on the clock instead."""
+    """Sleep ``ms`` milliseconds, precisely: ``time.sleep`` wakes late, the more so the busier
+    the machine (docs/benchmarks.md), and the overshoot would be charged to the runtime; the
+    last ``_SPIN_S`` is spent spinning on the clock instead."""
     deadline = time.perf_counter() + ms / 1e3
     if ms / 1e3 > _SPIN_S:
         time.sleep(ms / 1e3 - _SPIN_S)
@@ -115,7 +115,7 @@ def synthetic_row(
 ) -> dict[str, Any]:
     """One result row: the measured median step against the dataflow ideal (and the ideal
     with ``p2p_s`` seconds of latency per message)."""
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule.generators import SCHEDULES
 
     built, placement = SCHEDULES[schedule](ranks, microbatches)
     ideal = dataflow(built, placement, Costs(**{**_asdict(ms), "p2p": 0.0}))
@@ -170,7 +170,7 @@ def p2p_latency(rank: int, world: int, reps: int = 50) -> float:
 def synthetic_rank(rank: int, world: int, device: torch.device, opts: dict) -> list[dict]:
     """Run every requested schedule on this rank; rank 0 returns the rows."""
     from graphpipe.runtime.pipeline import Pipeline
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule.generators import SCHEDULES
 
     ms: Costs = opts["costs"]
     rows = []

@@ -16,7 +16,7 @@ __all__ = ["BenchWorld"]
 
 
 def _serve(rank: int, world: int, device: torch.device, conn: Any) -> None:
-    """A rank of ``BenchWorld`` (started by ``graphpipe.launch``'s rank entry, which also
+    """A rank of ``BenchWorld`` (started by ``graphpipe.cmdline.launch``'s rank entry, which also
     tears down): build the modes on ``setup``, run one timed step on ``step``."""
     group = dist.group.WORLD
     ctrl = control_group(group)
@@ -51,16 +51,16 @@ class BenchWorld:
     For pytest-benchmark: ``step(mode)`` sends the command to every rank (so every rank runs
     the same steps), each rank waits at a barrier, times its step, and replies; it returns
     the slowest rank's time. The caller's own timing of ``step`` adds the pipe round trip
-    (tens of microseconds on one machine).
+    between local processes, small against a step.
     """
 
     def __init__(self, num_ranks: int, device: str = "cpu", timeout: float = 300.0) -> None:
         import torch.multiprocessing as mp
 
-        from graphpipe.launch import STORE_HOST, _entry, _environ, _serve_store
+        from graphpipe.cmdline.launch import STORE_HOST, _entry, _environ, _serve_store
 
         ctx = mp.get_context("spawn")
-        self.store = _serve_store()  # the job's store, served here as graphpipe.launch does
+        self.store = _serve_store()  # the job's store, served here as graphpipe.cmdline.launch does
         self.ranks = num_ranks
         port = self.store.port
         self.timeout = timeout

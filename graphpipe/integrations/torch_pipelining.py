@@ -96,11 +96,11 @@ except ImportError as e:  # pragma: no cover - a torch that moved them
     ) from e
 
 from graphpipe.errors import PipelineError
-from graphpipe.ir import Action, Op
 from graphpipe.meta import DTYPES
 from graphpipe.runtime import PerMicrobatch, Pipeline
-from graphpipe.runtime.batch import KwSig, describe_keywords, keywords_signature
-from graphpipe.simulate import resolve_schedule
+from graphpipe.runtime.core.batch import KwSig, describe_keywords, keywords_signature
+from graphpipe.schedule.ir import Action, Op
+from graphpipe.schedule.simulate import resolve_schedule
 
 __all__ = [
     "PipelineSchedule",
@@ -227,7 +227,7 @@ class _StaticLossKwargs:
 
 def _keyword_parameters(module: Any) -> frozenset[str] | None:
     """The keywords a stage's ``forward`` takes, by the rule ``graphpipe.Pipeline`` routes
-    keyword tensors with (runtime/stage.py ``_taken``: a compiled module's ``_orig_mod``,
+    keyword tensors with (runtime/core/stage.py ``_taken``: a compiled module's ``_orig_mod``,
     named parameters); None: any (``**kwargs``)."""
     fn = getattr(module, "_orig_mod", module)
     fn = fn.forward if isinstance(fn, torch.nn.Module) else fn
@@ -806,7 +806,7 @@ def _check_replicas(name: str, dp_group: Any, stages: Sequence[Any]) -> None:
         return
     from torch.distributed.fsdp import fully_shard
 
-    from graphpipe.runtime.fsdp import fsdp_modules, param_groups
+    from graphpipe.runtime.parts.fsdp import fsdp_modules, param_groups
 
     size = dist.get_world_size(dp_group)
     for s in stages:

@@ -52,15 +52,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphpipe.ir import Action
 from graphpipe.meta import is_dtensor
+from graphpipe.schedule.ir import KINDS, Action
 from graphpipe.weightgrad import switch_linears
 
 from .torch_pipelining import PipelineSchedule
 
 __all__ = ["SCHEDULES", "pipelining_fn"]
 
-SCHEDULES = {"DualPipeV": "dualpipev", "ZBVZeroBubble": "zbv", "1F1B": "1f1b", "GPipe": "gpipe"}
+SCHEDULES = {
+    **{kind.torch_name: name for name, kind in KINDS.items() if kind.torch_name},
+    "GPipe": "gpipe",  # a single-stage schedule of integrations.torch_pipelining
+}
 """torchtitan's schedule names that graphpipe generates itself (others: torch's order)."""
 
 

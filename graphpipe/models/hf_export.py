@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from graphpipe.outputs import check_output_dir
+from graphpipe.cmdline.outputs import check_output_dir
 
 __all__ = ["check_export_dir", "export_hf_model", "load_hf_config", "run_cli"]
 
@@ -222,7 +222,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"{_PROG}: error: {problem}", file=sys.stderr)
         return 2
-    from graphpipe.checkpoint_files import resolve_checkpoint
+    from graphpipe.checkpoint.files import resolve_checkpoint
 
     path, skipped, missing = resolve_checkpoint(args.dir)
     for p, why in skipped:

@@ -46,7 +46,7 @@ from graphpipe.keymap import set_unsplit_keys
 from graphpipe.models.moe import MoEMLP, reset_dropped_tokens
 from graphpipe.models.overlap import Exchange, Tape, drain, overlapped_pair
 from graphpipe.roles import unique_parameters
-from graphpipe.splits import check_layers_per_stage, layers_per_stage
+from graphpipe.schedule.splits import check_layers_per_stage, layers_per_stage
 
 _even_split = layers_per_stage  # build_stages' keyword of the same name hides it there
 

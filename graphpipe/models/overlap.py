@@ -39,7 +39,7 @@ as ``"attn done"``, ``"dispatch issued"``, ``"dispatch waited"``, ``"experts-bwd
 ``("pair", -1, "end")``. With a local exchange (no expert parallelism) nothing is sent, but
 the issue and wait points are logged at the same places.
 
-**CUDA** (untested: no GPU was available): an exchange runs its all-to-all on a
+**CUDA** (not yet run on a GPU): an exchange runs its all-to-all on a
 communication stream that first waits for the current stream; the current stream waits for
 the exchange's event when it is waited, so the host never blocks and the fork/join is
 capturable in a CUDA graph.

@@ -26,7 +26,7 @@ Both measure in this process, one piece at a time (``measure_stage``):
   the prediction is of a typical step (``profiles/plan_check.py`` holds it against
   measured ones, docs/planning.md);
 * on the CPU with as many intra-op threads as each rank of the pipeline will have
-  (``rank_threads``: the cores over the ranks, as ``graphpipe.launch`` sets them);
+  (``rank_threads``: the cores over the ranks, as ``graphpipe.cmdline.launch`` sets them);
 * memory: what autograd saves in the forward (tensors that are not parameters, each storage
   once: held until the backward), what the deferred GEMMs keep from ``I`` to ``W`` (each
   ``nn.Linear``'s input and output gradient), and the parameters with their gradients
@@ -35,7 +35,7 @@ Both measure in this process, one piece at a time (``measure_stage``):
 Each piece runs on a copy of its modules (``copy.deepcopy``), so the model's modules and
 gradients are left as they were. ``num_microbatches`` may be a list of candidates: each is
 measured on its own micro-batch shape and planned (under each of ``AUTO_SCHEDULES`` for
-``schedule="auto"``), and ``graphpipe.planner.choose_plan`` chooses among the plans that fit
+``schedule="auto"``), and ``schedule.planner.choose_plan`` chooses among the plans that fit
 ``memory_budget``: of those within ``tie_margin`` (``TIE_MARGIN``, 5%) of the fastest,
 the one that holds least on the even split (bytes measured from shapes: the same in every
 run), so that two runs on the same machine choose alike although their measured costs
@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphpipe.planner import (
+from graphpipe.schedule.planner import (
     AUTO_SCHEDULES,
     LayerCost,
     MemoryBudgetExceeded,
@@ -244,12 +244,12 @@ def _measure(pieces: list[_Piece], reps: int, threads: int | None = None) -> lis
 
 
 def rank_threads(num_stages: int, schedule: str) -> int:
-    """The intra-op threads ``graphpipe.launch`` gives each CPU rank of a pipeline of
+    """The intra-op threads ``graphpipe.cmdline.launch`` gives each CPU rank of a pipeline of
     ``num_stages`` stages under ``schedule`` (a name, or ``"auto"``) on this machine: the
     cores over the ranks."""
     import os
 
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule.generators import SCHEDULES
 
     if schedule != "auto" and schedule not in SCHEDULES:
         raise ValueError(
@@ -327,8 +327,8 @@ def _schedules(schedule: str, num_stages: int) -> list[str]:
 def _defers(schedules: list[str], num_stages: int, candidates: list[int]) -> bool:
     """Whether any of ``schedules`` splits a backward into I and W for any of the
     micro-batch counts (sizes a schedule refuses count as not)."""
-    from graphpipe import packed
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule import packed
+    from graphpipe.schedule.generators import SCHEDULES
 
     for name in schedules:
         kind = SCHEDULES.get(name)
@@ -394,11 +394,11 @@ def plan_hf_split(
     (``graphpipe.plan_stages``, with the schedule, budget and ``p2p`` given here).
 
     threads: torch's intra-op threads while measuring on the CPU (default ``rank_threads``:
-    what each rank of the planned pipeline gets from ``graphpipe.launch`` on this machine,
+    what each rank of the planned pipeline gets from ``graphpipe.cmdline.launch`` on this machine,
     so that a piece costs what it will cost on its rank); restored afterwards.
     tie_margin: with several candidates (``schedule="auto"``, several ``num_microbatches``),
     the plans within this fraction of the fastest predicted step count as tied, and the one
-    that holds least on the even split wins (``graphpipe.planner.choose_plan``): measured
+    that holds least on the even split wins (``schedule.planner.choose_plan``): measured
     costs vary from run to run, and the choice should not follow the noise.
     progress: passed to ``plan_stages`` (a ``PlanProgress`` after every batch of
     simulations).

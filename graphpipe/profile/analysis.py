@@ -30,11 +30,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphpipe.ir import Action, Op
-from graphpipe.lower import lower
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import SimResult, simulate
-from graphpipe.validate import ScheduleError
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.ir import Action, Op
+from graphpipe.schedule.lower import lower
+from graphpipe.schedule.simulate import SimResult, simulate
+from graphpipe.schedule.validate import ScheduleError
 
 from .ranges import Kind, Range, action_of
 
@@ -361,7 +361,7 @@ def analyse(
     """The report for the ranges of ranks ``0..N-1`` (``by_rank``).
 
     steps: analyse the last ``steps`` step ranges of every rank (default: all).
-    schedule: the schedule that ran (a key of ``schedules.SCHEDULES``).
+    schedule: the schedule that ran (a key of ``generators.SCHEDULES``).
     microbatches: M; default: one more than the largest micro-batch in the action names.
     source: what the ranges were read from, copied into the report.
     notes: lines to start the report's notes with.

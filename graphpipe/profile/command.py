@@ -24,7 +24,7 @@ PROG = "graphpipe profile"
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from graphpipe.footprint import add_memory_limit_argument
+    from graphpipe.schedule.footprint import add_memory_limit_argument
     from graphpipe.train.options import add_model_options
 
     p = sub.add_parser(
@@ -91,9 +91,9 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from graphpipe.cli_options import first_below
-    from graphpipe.launch import joined_torchrun, launch
-    from graphpipe.outputs import check_output_dir
+    from graphpipe.cmdline.launch import joined_torchrun, launch
+    from graphpipe.cmdline.options import first_below
+    from graphpipe.cmdline.outputs import check_output_dir
     from graphpipe.train.checks import check_model, torchrun_world
 
     problem = first_below(args, 1, "steps")
@@ -161,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_memory(args: argparse.Namespace) -> str | None:
-    """Refuse a size whose schedules would not fit (``graphpipe.footprint``): every local
+    """Refuse a size whose schedules would not fit (``graphpipe.schedule.footprint``): every local
     rank's pipeline holds every rank's actions, and rank 0 simulates the schedule once more."""
-    from graphpipe import footprint
+    from graphpipe.schedule import footprint
 
     n, m = args.ranks, args.microbatches
     local = int(os.environ.get("LOCAL_WORLD_SIZE", n * args.dp))
@@ -190,7 +190,7 @@ def _write(analysis: Any, out: Path, traces: list[Path]) -> int:
 
 
 def _from_nsys(args: argparse.Namespace, out: Path) -> int:
-    from graphpipe.schedules import SCHEDULES
+    from graphpipe.schedule.generators import SCHEDULES
 
     from .analysis import analyse
     from .nsys import assign_ranks, has_cuda_trace, load_nsys

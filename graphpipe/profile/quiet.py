@@ -1,6 +1,6 @@
 """torch.profiler's informational log lines, kept off stderr.
 
-Kineto (torch.profiler's C++ side) writes lines like ``USDT:2026-12-01 08:48:02 22867:22867
+Kineto (torch.profiler's C++ side) writes lines like ``USDT:YYYY-MM-DD hh:mm:ss PID:TID
 SyncActivityProfilerHandler.cpp:52] profiler_start`` straight to file descriptor 2 (its
 ``std::cerr`` logger) whenever a profiler starts or stops; Python cannot redirect them through
 ``sys.stderr``. ``KINETO_LOG_LEVEL=6`` would silence them, but also kineto's warnings and

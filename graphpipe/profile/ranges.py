@@ -4,7 +4,7 @@ Owns ``Range`` (one named time range of one rank, in seconds) and the naming con
 the runtime (``graphpipe.nvtx.Ranges`` emits these names to NVTX and to the torch profiler):
 
 * ``step``: one training step;
-* a schedule action by its string, parsed with ``graphpipe.ir.Action.parse``: ``3F5``,
+* a schedule action by its string, parsed with ``graphpipe.schedule.ir.Action.parse``: ``3F5``,
   ``0W2``, ``7I2``, ``2B4``, ``(0F5;7B2)OVERLAP_F_B``;
 * ``wait ...``: time blocked on point-to-point communication, followed by what is awaited
   (``wait 1RECV_F3``, ``wait 1RECV_F3 6RECV_B2``, ``wait sends``);
@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 
-from graphpipe.ir import WAIT_PREFIX, Action
+from graphpipe.schedule.ir import WAIT_PREFIX, Action
 
 __all__ = ["STEP", "WAIT_PREFIX", "Kind", "Range", "action_of", "kind_of"]
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from graphpipe.render import render_timelines
+from graphpipe.schedule.render import render_timelines
 
 from .analysis import Analysis
 

@@ -1,38 +1,36 @@
-"""The runtime: one pipeline rank's training step, split into parts.
+"""The runtime: one pipeline rank's training step, split into parts, in four folders.
 
-==============  ==============================================================================
-module          owns
-==============  ==============================================================================
-pipeline        the public facade (``Pipeline``, ``DualPipeV``): builds the parts, hands each
-                the collaborators it uses, and runs a call (agreement, step, failure)
-checks          the constructor's argument checks and what it infers from the stages
-context         who this rank is (group, rank, device, stages): what every part reads
-step            the step loop: runs a compiled program, for the eager and the captured step
-loss            the loss buffers, the backward seed, the mean loss broadcast to every rank
-program         the compiled per-rank program: posts, waits and handlers per lowered step
-comm            the communication engine: asynchronous transfers, packets, handshake
-messages        the first step's headers and the later steps' message checks
-faults          failure notices: every rank raises, naming the failing rank and action, or
-                the rank to blame when none raised (lost, idle, in another call)
-store           the job's c10d store: who hosts it, every access wrapped (``StoreLost``)
-status          what a blocked process is doing, published only while it blocks
-config          the construction-time agreement: every rank joins, configured alike
-groups          process groups: one per directed rank pair on NCCL, the gloo control group
-lifetime        live pipelines at exit: closed, their gloo groups released, no abort
-stage           the stage runner: F / I / B / W / overlap handlers, per-micro-batch state
-batch           agreement on each batch across ranks
-structured      keyword values given per micro-batch, of any structure (``PerMicrobatch``)
-tensors         a value as a tuple of tensors, a batch split into micro-batches
-capture/        a captured pipeline's driver (warmup record -> static plan -> static step /
-                CUDA graphs -> replay), its plan and its graphs
-data_parallel   gradient and loss averaging over the data-parallel replicas, in the step
-fsdp            FSDP2-sharded stages: all-gathers early, one reduce-scatter per stage and step
-tied            weights tied across pipeline ranks: equal copies, gradients summed in the step
-clipping        gradient clipping by the global norm across pipeline ranks, in the step
-==============  ==============================================================================
+==================  ==========================================================================
+folder / module     owns
+==================  ==========================================================================
+pipeline            the public facade (``Pipeline``, ``DualPipeV``): builds the parts, hands
+                    each the collaborators it uses, and runs a call (agreement, step, failure)
+options             the pipeline's choices and process groups, as checked records
+build               the pipeline's construction, one function per step, each returning what
+                    it builds
+capture/            a captured pipeline's driver (warmup record -> static plan -> one graph
+                    per step or per action -> replay), its plan, the CUDA graph and the CPU
+                    graph behind one interface
+parts/              what a composition adds inside a step: ``accumulation`` (``no_sync``),
+                    ``data_parallel``, ``fsdp``, ``tied`` (weights tied across ranks),
+                    ``clipping`` (the global norm)
+core/               the step itself: ``stage`` (F / I / B / W / overlap handlers), ``comm``
+                    (asynchronous transfers), ``program`` (posts, waits and handlers per
+                    lowered step), ``step`` (the loop), ``loss``, ``messages`` (headers and
+                    checks), ``batch`` (agreement on each batch), ``structured``
+                    (``PerMicrobatch``), ``tensors``, ``context`` (who this rank is)
+coordination/       between the ranks, outside the data path: ``checks`` (arguments),
+                    ``config`` (every rank joins, configured alike), ``groups``, ``store``,
+                    ``status`` (what a blocked process is doing), ``faults`` (every rank
+                    raises, naming the failing rank and action), ``lifetime`` (pipelines
+                    alive at exit)
+==================  ==========================================================================
+
+Each folder imports only the folders below it in this table; ``parts`` and ``capture`` do not
+import each other (``tests/test_imports.py`` holds it).
 """
 
+from .core.structured import PerMicrobatch
 from .pipeline import DualPipeV, Pipeline, clip_grad_norm_
-from .structured import PerMicrobatch
 
 __all__ = ["DualPipeV", "PerMicrobatch", "Pipeline", "clip_grad_norm_"]

@@ -1,19 +1,19 @@
 """The public facade: ``Pipeline`` (any schedule) and ``DualPipeV`` (the default one).
 
-A ``Pipeline`` builds the parts and hands each the collaborators it uses, never itself: the
-schedule and its placement (``schedules``), the rank's context (``context``), the lowered
-program of this rank (``lower`` + ``program``), the stage runner (``stage``), the
-communication engine (``comm``) on its process groups (``groups``), the loss (``loss``), the
-step loop (``step``), the batch agreement (``batch``), the capture driver (``capture``) and
-the parts that run inside the step (``data_parallel``, ``clipping``). What it does itself is
-a call's frame: the user-facing checks, the batch agreement, and what a failure does.
+A ``Pipeline`` packs its keywords into ``options``' records and builds the parts through
+``build``'s steps, handing each the collaborators it uses, never itself: the schedule and
+its placement (``schedule.validate``), the rank's context (``context``), the lowered program of this
+rank (``lower`` + ``program``), the stage runner (``stage``), the communication engine
+(``comm``) on its process groups (``groups``), the loss (``loss``), the step loop
+(``step``), the batch agreement (``batch``), the capture driver (``capture``) and the parts
+that run inside the step (``data_parallel``, ``clipping``). What it does itself is a call's
+frame: the user-facing checks, the batch agreement, and what a failure does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -22,51 +22,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphpipe.costs import Costs
-from graphpipe.ir import Action, Op
-from graphpipe.lower import forward_only, in_send_order, lower, transfers
 from graphpipe.meta import StepRecord
 from graphpipe.nvtx import Ranges
-from graphpipe.validate import resolve_schedule
+from graphpipe.schedule.costs import Costs
+from graphpipe.schedule.ir import Action
+from graphpipe.weightgrad import WeightGradStore
 
-from .accumulation import GradSync
-from .batch import BatchAgreement, BatchSignature
-from .capture import CaptureDriver, StaticPlan
-from .checks import (
-    CAPTURE_MODES,
-    check_arguments,
-    check_capture,
-    check_capture_optimizer,
-    check_disjoint_groups,
-    check_expert_groups,
-    check_stages,
-    float_dtype,
-    infer_device,
-    loss_dtype,
-    resolve_receives,
-    seconds,
-)
-from .clipping import GradClipper, check_clip_args
-from .comm import CommEngine
-from .config import pipeline_config
-from .context import RankContext
-from .data_parallel import DataParallel, check_stage_wrappers, refuse_setup, setup_key
-from .faults import (
-    CommFailure,
-    FaultNotices,
-    Faults,
-    construction_told,
-    hold_construction,
-)
-from .fsdp import ShardedStages, check_fsdp
-from .groups import PipelineGroups, refuse_to_join, taken_key
-from .lifetime import HOLD_S, keep_through_exit
-from .loss import LossReducer
-from .program import StepHooks, compile_program
-from .stage import StageRunner
-from .step import StepLoop
-from .store import JobStore
-from .tied import TiedWeights
+from . import build
+from .capture import StaticPlan
+from .coordination.faults import CommFailure, construction_told, hold_construction
+from .coordination.groups import refuse_to_join, taken_key
+from .coordination.lifetime import HOLD_S, keep_through_exit
+from .coordination.store import JobStore
+from .core.batch import BatchSignature
+from .options import ParallelGroups, PipelineOptions
+from .parts.data_parallel import refuse_setup, setup_key
 
 __all__ = ["DualPipeV", "Pipeline", "clip_grad_norm_"]
 
@@ -79,7 +49,7 @@ class Pipeline:
         stages: this rank's stage modules, in ascending stage order (for DualPipeV and ZB-V
             ``(stage r, stage 2N-1-r)``; for 1F1B ``(stage r,)``).
         schedule: ``"dualpipev"`` (default), ``"zbv"``, ``"1f1b"``, or a compute-only
-            schedule ``{rank: [Action, ...]}`` (``graphpipe.ir.load_csv`` reads torch's CSV);
+            schedule ``{rank: [Action, ...]}`` (``schedule.ir.load_csv`` reads torch's CSV);
             its placement follows from which rank runs which stage.
         num_microbatches: M; each batch is split on dim 0 into M equal parts.
         loss_fn: ``loss_fn(output, labels) -> 0-dim tensor``, run after the last stage.
@@ -90,10 +60,11 @@ class Pipeline:
             only); all ranks must pass the same value.
         capture: capture the training step. ``True`` or ``"step"``: on CUDA one graph per
             rank per step; ``"action"``: one CUDA graph per compute action, replayed in its
-            range, the P2P between them. On CPU both run the static step (plan buffers
-            only). Step 1 runs eagerly and records metadata, step 2 captures, later steps
-            replay; with NCCL over several ranks step 2 runs the static step eagerly with
-            the real transfers (warming every communicator) and step 3 captures.
+            range, the P2P between them. On CPU the graphs are CPU graphs, with CUDA
+            graphs' semantics (docs/capture.md). Step 1 runs eagerly and records
+            metadata, step 2 captures, later steps replay; with NCCL over several ranks
+            step 2 runs the static step eagerly with the real transfers (warming every
+            communicator) and step 3 captures.
         recapture: with capture, a batch of another shape or dtype captures a new graph for
             that signature instead of raising ``ValueError``.
         capture_optimizer: with capture, an optimizer over this rank's parameters whose step
@@ -101,20 +72,20 @@ class Pipeline:
             Each step then zeroes the gradients in place first and steps the optimizer last.
         receives: when each receive is posted. ``"start"``: every receive of the step at its
             start (the default on gloo, where a send that comes before its receive waits for
-            a hop through the sender's device thread: about 0.75x the step of "timed" on a
-            busy 2-core CPU; each incoming buffer then lives from the start of the step).
+            a hop through the sender's device thread, which waits for a core on a busy CPU:
+            docs/benchmarks.md; each incoming buffer then lives from the start of the step).
             ``"timed"``: each just before its data is sent in the dataflow timing with
             ``costs`` (the default on NCCL: receive buffers live shorter). ``"plain"``: each
-            in the batch of the compute that reads it (``graphpipe.lower``'s plain rule), or
+            in the batch of the compute that reads it (``schedule.lower``'s plain rule), or
             earlier where its rank pair's send order needs it (``lower.in_send_order``).
-        costs: the expected action costs (``graphpipe.simulate.Costs``); with
+        costs: the expected action costs (``graphpipe.schedule.simulate.Costs``); with
             ``receives="timed"`` the lowering times the receives with them. Default: F=1,
             B=2, I=1, W=1.
         dp_group: the data-parallel group: the ranks that run this rank's stages in the other
             replicas (``mesh.get_group("dp")`` of a ``("dp", "pp")`` DeviceMesh, with
             ``group=mesh.get_group("pp")``). Each stage's gradients are averaged over it as
             soon as its last W (or B) of the step has run, and the loss is the mean over the
-            replicas (``runtime/data_parallel.py``). The replicas start from the first one's
+            replicas (``runtime/parts/data_parallel.py``). The replicas start from the first one's
             parameters (broadcast here).
         defer_weight_grads: switch the stages' ``nn.Linear`` layers (and subclasses that keep
             its ``forward``) to the deferrable one (default True); False computes every
@@ -179,227 +150,61 @@ class Pipeline:
     ) -> None:
         self._join_taken = self._dp_join_taken = False  # this rank took the join's key
         self._joined = self._dp_joined = False  # and passed the join (and what follows it)
-        with self._peers_told(group, dp_group):  # a failure here is told at their joins
-            check_arguments(num_microbatches, loss_fn, capture, loss_reduction)
-            self.loss_reduction = loss_reduction
-            distributed = dist.is_available() and dist.is_initialized()
-            if not distributed and group is not None:
-                raise ValueError("group was given but torch.distributed is not initialized")
-            self.group = group if group is not None or not distributed else dist.group.WORLD
-            nccl = distributed and dist.get_backend(self.group) == "nccl"
-            self.receives = resolve_receives(receives, nccl)
-            self.rank = dist.get_rank(self.group) if distributed else 0
-            self.num_ranks = n = dist.get_world_size(self.group) if distributed else 1
-            self.num_microbatches = m = num_microbatches
-            self.schedule, self.placement, self.schedule_name = resolve_schedule(schedule, n, m)
-            self.stage_ids = self.placement.stages_of(self.rank)
-            check_stages(stages, self.stage_ids, self.rank, self.schedule_name)
-            check_stage_wrappers(stages, self.stage_ids)  # DDP / FSDP stages: ValueError
-            self.modules = tuple(stages)
-            self.loss_fn = loss_fn
-            check = getattr(loss_fn, "check_labels", None)  # graphpipe.models.causal_lm_loss's
-            self._check_labels = (
-                functools.partial(check, num_microbatches=m, loss_reduction=loss_reduction)
-                if callable(check)
-                else None
+        with self._tell_peers_on_failure(group, dp_group):  # a failure here is told at their joins
+            options = PipelineOptions(  # checks M, loss_fn, capture, loss_reduction first
+                schedule=schedule,
+                num_microbatches=num_microbatches,
+                loss_fn=loss_fn,
+                use_nvtx=use_nvtx,
+                per_edge_groups=per_edge_groups,
+                capture=capture,
+                recapture=recapture,
+                capture_optimizer=capture_optimizer,
+                costs=costs,
+                receives=receives,
+                timeout=timeout,
+                defer_weight_grads=defer_weight_grads,
+                clip_grad_norm=clip_grad_norm,
+                clip_norm_type=clip_norm_type,
+                loss_reduction=loss_reduction,
             )
-            self.last_stage = self.placement.last_stage
-            self.input_rank = self.placement.rank_of(0)
-            self.loss_rank = self.placement.rank_of(self.last_stage)
-            self.is_input_rank = self.rank == self.input_rank
-            self.is_loss_rank = self.rank == self.loss_rank
-            self._ranges = Ranges(use_nvtx)
-            self.device = infer_device(stages, self.group)
-            ctx = RankContext(
-                group=self.group if distributed else None,
-                rank=self.rank,
-                num_ranks=n,
-                global_ranks=tuple(dist.get_global_rank(self.group, r) for r in range(n))
-                if distributed
-                else (0,),
-                device=self.device,
-                modules=self.modules,
-                stage_ids=tuple(self.stage_ids),
-                num_microbatches=m,
-                input_rank=self.input_rank,
-                loss_rank=self.loss_rank,
-            )
-            self.context = ctx
-            if distributed:  # before any collective: an overlapping group would deadlock a step
-                check_disjoint_groups(
-                    self.modules, ctx.global_ranks, self.rank, dp_group, expert_groups
-                )
-            split_flags = [[False] * m for _ in self.stage_ids]
-            local = {s: i for i, s in enumerate(self.stage_ids)}
-            for cell in self.schedule[self.rank]:
-                for part in cell.parts():
-                    if part.op is Op.I:
-                        split_flags[local[part.stage]][part.microbatch] = True
-            self.runner = runner = StageRunner(
-                self.modules,
-                self.stage_ids,
-                self.last_stage,
-                m,
-                loss_fn,
-                self.device,
-                split_flags,
-                defer_weight_grads,
-            )
-            self.stores = runner.stores
-            self.num_deferrable = runner.num_deferrable
-            durations = costs.of if costs is not None else None
-            latency = costs.p2p if costs is not None else 0.0
-            lowered = lower(
-                self.schedule,
-                self.placement,
-                durations=durations,
-                latency=latency,
-                receives=self.receives,
-            )
-            infer_lowered = lower(
-                forward_only(self.schedule), self.placement, receives=self.receives
-            )
-            if self.receives == "plain":  # each rank pair one FIFO, as the transfers need
-                lowered = in_send_order(lowered, self.placement)
-                infer_lowered = in_send_order(infer_lowered, self.placement)
-            train_transfers = transfers(lowered, self.placement)
-            infer_transfers = transfers(infer_lowered, self.placement)
-            edges = {(t.src, t.dst) for t in train_transfers}
-            # What every rank must agree on, joined in the store before any group is built
-            # (runtime/config.py: a mismatch or a rank that does not come raises on every rank).
-            # Without torch.distributed there is nothing to agree on (and dp_group is refused).
-            config = None
-            if distributed:
-                config = pipeline_config(
-                    schedule_name=self.schedule_name,
-                    schedule=self.schedule,
-                    placement=self.placement,
-                    num_microbatches=m,
-                    receives=self.receives,
-                    per_edge_groups=nccl if per_edge_groups is None else per_edge_groups,
-                    capture=CAPTURE_MODES[capture],
-                    loss_reduction=loss_reduction,
-                    dp_group=dp_group,
-                    expert_groups=expert_groups,
-                    clip_grad_norm=clip_grad_norm,
-                    clip_norm_type=clip_norm_type,
-                    costs=costs,
-                )
-            # Every check that needs no peer runs before the join: a rank that refuses tells the
-            # others there (``_peers_told``), and none of them enters a collective without it.
-            self.expert_groups = check_expert_groups(self.modules, expert_groups)
-            check_fsdp(self.modules, CAPTURE_MODES[capture], dp_group)
-            check_capture_optimizer(capture_optimizer, capture, self.device)
-            check_capture(CAPTURE_MODES[capture], self.device, nccl, n, self.receives, stages)
-            if clip_grad_norm is not None:
-                check_clip_args(clip_grad_norm, clip_norm_type)
+            parallel = ParallelGroups(pp=group, dp=dp_group, experts=expert_groups)
+            self.loss_fn, self.loss_reduction = loss_fn, loss_reduction
+            # The steps of docs/runtime.md's construction, in order (runtime/build.py).
+            res = build.resolve_rank(stages, options, parallel)  # 1. schedule, this rank
+            self.context, self.receives, self._ranges = res.context, res.receives, res.ranges
+            self.schedule, self.placement = res.schedule, res.placement
+            self.schedule_name, self._check_labels = res.schedule_name, res.check_labels
+            self.runner = runner = build.stage_runner(res, options)  # 2. the stages
+            lowered = build.lower_programs(res, options.costs)  # 3. the programs
+            config = build.agreement_config(res, options, parallel)  # 4. the agreement
+            self.expert_groups = build.check_before_join(res, options, parallel, stages)
             self._join_taken = True  # PipelineGroups takes the pipeline's key and joins
-            self.groups = groups = PipelineGroups(
-                self.group if distributed else None,
-                edges,
-                per_edge_groups,
-                datetime.timedelta(seconds=seconds(timeout)),
-                config,
-            )
+            self.groups = groups = build.join(res, lowered, options, config)
             self._joined = True
-            self.engine = engine = CommEngine(
-                runner, self.rank, groups, self.device, self._ranges, staged=groups.nccl and n > 1
-            )
-            self._faults = faults = Faults(
-                FaultNotices(groups.store, groups.key, self.rank), groups, self.rank
-            )
-            self.program = compile_program(
-                lowered[self.rank], train_transfers, self.placement, self.rank, runner, engine
-            )
-            self._infer = compile_program(
-                infer_lowered[self.rank], infer_transfers, self.placement, self.rank, runner, engine
-            )
-            # Parts that run inside the training step as instructions of its program.
-            self.capture = CAPTURE_MODES[capture]
-            # Accumulation across calls, no_sync: the window is the parameters' (shared with
-            # any other pipeline over them), so the part is given them.
-            self.grad_sync = grad_sync = GradSync(ctx.parameters())
-            self.fsdp = ShardedStages(ctx, loss_reduction, grad_sync)
+            self.engine, self._faults = build.engine_and_faults(res, runner, groups)  # 5, 6.
+            self.program, self._infer = build.compile_programs(res, lowered, runner, self.engine)
+            self.capture = options.capture_mode  # 7. the parts inside the step
+            self.grad_sync, self.fsdp = build.gradient_parts(res, options)
             self._dp_join_taken = True  # DataParallel joins its group's setup first
-            self.data_parallel = (
-                DataParallel(
-                    ctx,
-                    self.program.grads_final(self.stage_ids),
-                    self._ranges,
-                    faults,
-                    dp_group,
-                    expert_groups=expert_groups,
-                    loss_reduction=loss_reduction,
-                    managed=self.fsdp.managed,
-                    grad_sync=grad_sync,
-                )
-                if dp_group is not None
-                else None
+            self.data_parallel = build.data_parallel(
+                res, self.program, self._faults, options, parallel, self.grad_sync, self.fsdp
             )
             self._dp_joined = True
-            self.tied = TiedWeights(ctx, grad_sync)
-            self._clipper = GradClipper(ctx, self.expert_groups, self.tied.counted_elsewhere)
+            self.tied, self._clipper = build.trailing_parts(res, self.expert_groups, self.grad_sync)
             self._clips = clip_grad_norm is not None
             self._deferral_checked = False  # _check_deferral after the first step
-            # Where two parts run at one point of the step, in this order: the division of
-            # earlier calls' gradients first; after a stage's last gradient the dp reductions
-            # posted, then FSDP2's reduce-scatter; trailing, the wait for the dp reductions,
-            # the sum of tied copies, the clipping (of the reduced gradients).
-            self.program.install(
-                grad_sync.step_hooks(),
-                self.data_parallel.step_hooks() if self.data_parallel else StepHooks(),
-                self.fsdp.step_hooks(),
-                self.tied.step_hooks(),
-                self._clipper.in_step(
-                    clip_grad_norm, clip_norm_type, grad_sync, self.capture is not None
-                )
-                if self._clips
-                else StepHooks(),
+            parts = self.grad_sync, self.data_parallel, self.fsdp, self.tied, self._clipper
+            build.install_parts(self.program, self._infer, options, parts)
+            c = build.call_machinery(  # 8. the call's machinery
+                res, options, runner, groups, self.engine, self._faults, self.program, parts
             )
-            self._infer.install(self.fsdp.infer_hooks())
-            dp = self.data_parallel
-            self._agreement = BatchAgreement(
-                groups,
-                self.rank,
-                n,
-                self.input_rank,
-                self.loss_rank,
-                m,
-                float_dtype(self.modules[0]),
-                replicas=dp.agree if dp is not None and dp.agrees else None,
-                refuse=grad_sync.check_captured if self.capture else None,
-            )
-            self._loss_dtype = loss_dtype(self.modules)
-            self.loss = LossReducer(
-                ctx,
-                runner,
-                faults,
-                loss_reduction,
-                average=self.data_parallel.average_loss if self.data_parallel else None,
-            )
-            self.optimizer = capture_optimizer
-            self._loop = StepLoop(
-                ctx, runner, engine, self.loss, faults, self._ranges, groups.nccl, capture_optimizer
-            )
-            # Only a captured pipeline has a capture driver: eager steps run the loop directly.
-            self._capture = (
-                CaptureDriver(
-                    ctx,
-                    self._loop,
-                    self.program,
-                    runner,
-                    engine,
-                    self.loss,
-                    self.capture,
-                    recapture,
-                )
-                if self.capture
-                else None
-            )
-            keep_through_exit(self)  # runtime/lifetime.py: closed and released at exit, no abort
+            self._agreement, self._loss_dtype, self.loss = c.agreement, c.loss_dtype, c.loss
+            self._loop, self._capture, self.optimizer = c.loop, c.capture, capture_optimizer
+            keep_through_exit(self)  # coordination/lifetime.py: closed, released at exit, no abort
 
     @contextlib.contextmanager
-    def _peers_told(self, group: Any, dp_group: Any) -> Iterator[None]:
+    def _tell_peers_on_failure(self, group: Any, dp_group: Any) -> Iterator[None]:
         """Construction: when it fails on this rank, the joins it has not taken yet (the
         pipeline's, the data-parallel setup's) say so, naming the error, so that no peer
         waits in one for the timeout or goes on to a collective this rank never enters.
@@ -413,8 +218,8 @@ class Pipeline:
             raise
 
     def _tell_peers(self, group: Any, dp_group: Any, e: Exception) -> None:
-        """The joins this failed construction took part in (``_peers_told``): refused where
-        not taken yet, and told at exit (``_told_at_exit``)."""
+        """The joins this failed construction took part in (``_tell_peers_on_failure``):
+        refused where not taken yet, and told at exit (``_told_at_exit``)."""
         joins = []  # (key, members, this rank failed at or before it)
         if self._join_taken:
             key = taken_key(dist.get_process_group_ranks(group))
@@ -445,6 +250,79 @@ class Pipeline:
             construction_told(store, key)
             if host and before:
                 hold_construction(store, key, members, HOLD_S)
+
+    # ------------------------------------------------------------------ this rank
+    # Who this rank is: read off its RankContext (and its stage runner), never assigned.
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The pipeline process group (None: one process without torch.distributed)."""
+        return self.context.group
+
+    @property
+    def rank(self) -> int:
+        """This rank in the pipeline group."""
+        return self.context.rank
+
+    @property
+    def num_ranks(self) -> int:
+        """The number of pipeline ranks."""
+        return self.context.num_ranks
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes."""
+        return self.context.device
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """This rank's stage modules, in ascending stage order."""
+        return self.context.modules
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """This rank's stages, ascending."""
+        return self.context.stage_ids
+
+    @property
+    def num_microbatches(self) -> int:
+        """M: the micro-batches of each batch."""
+        return self.context.num_microbatches
+
+    @property
+    def input_rank(self) -> int:
+        """The rank that runs stage 0 (and takes the inputs)."""
+        return self.context.input_rank
+
+    @property
+    def loss_rank(self) -> int:
+        """The rank that runs the last stage (and takes the labels)."""
+        return self.context.loss_rank
+
+    @property
+    def is_input_rank(self) -> bool:
+        """This rank runs stage 0."""
+        return self.context.is_input_rank
+
+    @property
+    def is_loss_rank(self) -> bool:
+        """This rank runs the last stage."""
+        return self.context.is_loss_rank
+
+    @property
+    def last_stage(self) -> int:
+        """The stage that computes the loss."""
+        return self.placement.last_stage
+
+    @property
+    def stores(self) -> tuple[WeightGradStore, ...]:
+        """The weight-gradient store of each local stage (``graphpipe.weightgrad``)."""
+        return self.runner.stores
+
+    @property
+    def num_deferrable(self) -> tuple[int, ...]:
+        """Per local stage, in the order of ``stages``, the layers that defer their weight
+        gradient to ``W`` (0: that stage's ``W`` does nothing)."""
+        return self.runner.num_deferrable
 
     # ------------------------------------------------------------------ steps
     def step(
@@ -550,7 +428,7 @@ class Pipeline:
                 refused,
             )
         except CommFailure as f:
-            raise faults.consequence(f) from f
+            raise faults.error_for_comm_failure(f) from f
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
@@ -585,7 +463,7 @@ class Pipeline:
         own unreduced sum. The first step after the block reduces everything the block
         accumulated, so ``.grad`` then equals the reducing path's (``k`` calls, each
         reducing), also when that step is another pipeline's over the same parameters (the
-        window is the parameters', ``runtime/accumulation.py``). Every rank of the pipeline
+        window is the parameters', ``runtime/parts/accumulation.py``). Every rank of the pipeline
         and every replica must call its steps inside the block together (the pipeline's
         ranks check it, ``ValueError`` otherwise; the replicas too, ``PipelineError``).
         Refused with ``capture`` (the captured step reduces)."""
@@ -695,7 +573,7 @@ def clip_grad_norm_(pipe: Pipeline, max_norm: float, norm_type: float = 2.0) -> 
     when a gradient is float64), computed before clipping, as
     ``torch.nn.utils.clip_grad_norm_`` over the model's unique parameters returns it. No host
     synchronization: to clip inside a captured step, pass ``clip_grad_norm=max_norm`` to the
-    pipeline instead (the norm is then ``pipe.grad_norm``). See ``runtime/clipping.py``.
+    pipeline instead (the norm is then ``pipe.grad_norm``). See ``runtime/parts/clipping.py``.
     """
     return pipe.clip_grad_norm_(max_norm, norm_type)
 

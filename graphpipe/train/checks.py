@@ -13,9 +13,9 @@ import importlib.util
 import math
 import os
 
-from graphpipe.cli_options import cuda_problem, first_below
-from graphpipe.outputs import check_output_dir, check_output_file
-from graphpipe.splits import check_layers_per_stage, layers_per_stage
+from graphpipe.cmdline.options import cuda_problem, first_below
+from graphpipe.cmdline.outputs import check_output_dir, check_output_file
+from graphpipe.schedule.splits import check_layers_per_stage, layers_per_stage
 
 from .options import default_layers, default_microbatches
 from .resume import find_resume
@@ -42,7 +42,7 @@ def _check_moe(args: argparse.Namespace) -> str | None:
 def torchrun_world(args: argparse.Namespace) -> str | None:
     """Under torchrun, its world decides: sets ``args.ranks`` to ``WORLD_SIZE / --dp``, or
     returns the problem when ``--dp`` does not divide it. Elsewhere a no-op."""
-    from graphpipe.launch import joined_torchrun
+    from graphpipe.cmdline.launch import joined_torchrun
 
     if not joined_torchrun():
         return None

@@ -94,7 +94,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``graphpipe train``: check the arguments, then spawn (or join torchrun's) ranks."""
-    from graphpipe.launch import launch
+    from graphpipe.cmdline.launch import launch
 
     problem = torchrun_world(args) or check_train(args)
     if problem is not None:

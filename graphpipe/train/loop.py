@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from graphpipe.launch import RunStopped
+from graphpipe.cmdline.launch import RunStopped
 
 from .options import default_layers, default_microbatches
 from .progress import (
@@ -176,7 +176,7 @@ def build_rank(
 
 def _split_note(opts: dict) -> str:
     """`` (2,4,4,2 per stage)`` for a chosen split that is not the even one, else nothing."""
-    from graphpipe.splits import layers_per_stage
+    from graphpipe.schedule.splits import layers_per_stage
 
     counts = opts.get("layers_per_stage")
     if counts is None or list(counts) == layers_per_stage(opts["layers"], len(counts)):

@@ -1,7 +1,7 @@
 """The options of ``graphpipe train``'s model, data and pipeline, shared with ``profile``.
 
 Owns: ``add_model_options`` (the argparse options; those other commands have too, such as
-``--device``, ``--hidden`` or ``--batch-size``, are ``graphpipe.cli_options``' builders) and
+``--device``, ``--hidden`` or ``--batch-size``, are ``graphpipe.cmdline.options``' builders) and
 the defaults that depend on other options (``default_microbatches``, ``default_layers``).
 Imports nothing heavy: the command line builds its parsers from here without importing torch.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from graphpipe.cli_options import (
+from graphpipe.cmdline.options import (
     add_batch_options,
     add_builtin_model_options,
     add_device_option,
@@ -101,8 +101,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--capture",
         choices=("none", "step", "action"),
         default="none",
-        help="capture the step after one eager warmup step: CUDA graphs per step or per "
-        "action on GPU, the static replay on CPU (default none)",
+        help="capture the step after one eager warmup step and replay it: CUDA graphs on "
+        "GPU, CPU graphs with the same semantics on CPU; one graph per step or per action "
+        "(default none)",
     )
     _add_moe_options(p)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from graphpipe.checkpoint_files import read_marker, step_dirs
+from graphpipe.checkpoint.files import read_marker, step_dirs
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from graphpipe.planner import LayerCost, plan_stages
+from graphpipe.schedule.planner import LayerCost, plan_stages
 
 
 def _layers(n: int) -> list[LayerCost]:

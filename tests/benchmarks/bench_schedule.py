@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 
-from graphpipe.schedules import SCHEDULES
-from graphpipe.simulate import figures
+from graphpipe.schedule.generators import SCHEDULES
+from graphpipe.schedule.simulate import figures
 
 
 def _seconds_per_action(n: int, repeats: int = 3) -> float:

@@ -466,7 +466,7 @@ _exit_registered = False
 
 def _reset_at_exit(graph: CpuGraph) -> None:
     """At exit, before graphpipe's hooks release the pipelines' process groups
-    (``runtime/lifetime.py``), every graph lets go of the groups and works it holds, so that
+    (``coordination/lifetime.py``), every graph lets go of the groups and works it holds, so that
     the last references go there and not while the interpreter finalizes. Registered at
     the first capture, after the pipelines' hook: ``atexit`` runs it first."""
     global _exit_registered

@@ -4,7 +4,7 @@ Three visible phases per batch signature (shapes and dtypes of the batch):
 
 1. warmup: an eager step that records the metadata of every tensor it touches
    (``meta.StepRecord``) and of every message (the engine's channel metadata);
-2. plan: ``plan.build_plan`` allocates every buffer the step's P2P and batch need once, with
+2. plan: ``buffers.build_plan`` allocates every buffer the step's P2P and batch need once, with
    lifetimes from the compiled program (a receive lives from the step that posts it to the
    last action that reads it; a gloo send packet until the end of the step, since the send
    completes in the background); the transfers and the runner's micro-batch views are bound
@@ -44,26 +44,26 @@ import torch.distributed as dist
 
 from graphpipe.meta import StepRecord, TensorMeta
 
-from ..batch import BatchSignature
-from ..comm import SendTransfer
-from ..context import RankContext
-from ..program import Program
-from ..step import StepLoop
-from ..structured import (
+from ..core.batch import BatchSignature
+from ..core.comm import SendTransfer
+from ..core.context import RankContext
+from ..core.program import Program
+from ..core.step import StepLoop
+from ..core.structured import (
     ConstantChanged,
     PerMicrobatch,
     check_capturable,
     check_captured,
     structures,
 )
-from ..tensors import as_tuple
+from ..core.tensors import as_tuple
+from .buffers import BufferPlan, build_plan
 from .cpu_graph import CaptureError
-from .plan import StaticPlan, build_plan
 
 if TYPE_CHECKING:
-    from ..comm import CommEngine
-    from ..loss import LossReducer
-    from ..stage import StageRunner
+    from ..core.comm import CommEngine
+    from ..core.loss import LossReducer
+    from ..core.stage import StageRunner
 
 __all__ = ["Capture", "CaptureDriver"]
 
@@ -533,7 +533,7 @@ class CaptureDriver:
         )
 
     @property
-    def plan(self) -> StaticPlan | None:
+    def plan(self) -> BufferPlan | None:
         cap = self.active or next(iter(self.captures.values()), None)
         return cap.plan if cap is not None else None
 
