@@ -25,5 +25,6 @@ exit_soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(exit_soak)
 
 
+@pytest.mark.slow  # fresh processes run to their exit, twice: the slow lane
 def test_processes_that_exit_with_live_pipelines_exit_with_status_zero() -> None:
     assert exit_soak.soak(runs=2, world=2, parallel=2, destroy="half") == []

@@ -212,6 +212,7 @@ def test_script_parses_as_bash():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow  # the whole GPU-check script, on CPU: the slow lane
 def test_script_runs_its_checks_without_cuda_and_writes_one_summary(tmp_path):
     """Two checks (a pytest one and a script one) through the real script: both skip without
     CUDA, the summary says so, and the script exits 0. This interpreter's python3 runs it."""

@@ -37,6 +37,7 @@ def test_train_dp2_ep2_experts_on_4_ranks_reports_drops_and_the_loss_falls(tmp_p
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_train_with_experts_captured_reproduces_the_eager_run(tmp_path) -> None:
     """On one rank (the CLI's capture path; captured MoE pipelines over several ranks are
     checked against eager in test_moe_dist): losses and drop counts equal, step by step."""

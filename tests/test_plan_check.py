@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = "--vocab 64 --hidden 16 --layers 4 --heads 2 --batch 8 --seq-len 8 --microbatches 4"
 
 
-@pytest.mark.parametrize("model", ["builtin", pytest.param("hf", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a profiles/ script measuring two splits: the slow lane
+@pytest.mark.parametrize("model", ["builtin", "hf"])
 def test_plan_check_measures_both_splits_and_explains_the_gap(model: str, tmp_path: Path) -> None:
     if model == "hf":
         pytest.importorskip("transformers")

@@ -86,6 +86,7 @@ def test_profile_two_ranks_writes_traces_report_timeline_and_table(tmp_path: Pat
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # an end-to-end run of the command line: the slow lane (docs/development.md)
 def test_profile_with_data_parallel_replicas_traces_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "prof"
     proc = subprocess.run(

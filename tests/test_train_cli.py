@@ -320,7 +320,8 @@ def uninterrupted(tmp_path_factory) -> list[tuple[int, float]]:
     return _step_losses(metrics)
 
 
-@pytest.mark.parametrize("capture", ["none", pytest.param("step", marks=pytest.mark.slow)])
+@pytest.mark.slow  # three runs of the command line (a killed rank resumes in the default run)
+@pytest.mark.parametrize("capture", ["none", "step"])
 def test_a_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, uninterrupted, capture):
     """Steps 1-4, then 5-6 resumed, equal the uninterrupted eager run bit for bit; with
     ``--capture step`` that also proves the captured run reproduces the eager one."""
