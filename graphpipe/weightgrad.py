@@ -193,15 +193,51 @@ def _accumulate_weight_grad(
     ``.grad``) the GEMM's result is cast and stored or added like autograd would.
     """
     g2 = g.reshape(-1, g.shape[-1])
+    _accumulate_product(weight, bias, g2.t(), x.reshape(-1, x.shape[-1]), g2)
+
+
+def _accumulate_product(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    g2: torch.Tensor,
+) -> None:
+    """``weight.grad += a @ b`` and ``bias.grad += sum(g2)``: in the GEMM (``addmm_``) when
+    ``.grad`` exists in the operands' dtype, else computed, cast and stored or added."""
     if weight.requires_grad:
-        x2 = x.reshape(-1, x.shape[-1])
         grad = weight.grad
-        if grad is not None and grad.dtype == g2.dtype == x2.dtype:
-            grad.addmm_(g2.t(), x2)
+        if grad is not None and grad.dtype == a.dtype == b.dtype:
+            grad.addmm_(a, b)
         else:
-            _accumulate(weight, g2.t().mm(x2))
+            _accumulate(weight, a.mm(b))
     if bias is not None and bias.requires_grad:
         _accumulate(bias, g2.sum(0))
+
+
+def _weight_backward(
+    ctx: Any, x: torch.Tensor, g: torch.Tensor, gx: torch.Tensor | None, in_out: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward of ``_LinearFn`` and ``_Conv1DFn`` after ``gx``: the weight gradient
+    deferred to the store's ``W``, accumulated into ``.grad`` now (the executor's full
+    backward), or handed to autograd. ``in_out``: the weight is ``[in, out]`` (``Conv1D``)."""
+    need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    accumulate = _accumulate_conv1d_weight_grad if in_out else _accumulate_weight_grad
+    store = ctx.store
+    if not need_w or store.defer(accumulate, *ctx.params, x, g):
+        return gx, None, None, None, None
+    if store.accumulating:
+        # The executor's full backward: into .grad now, fused, instead of handing the
+        # weight gradient to autograd (which would add it into .grad in a second pass).
+        with torch.no_grad():
+            accumulate(*ctx.params, x, g)
+        return gx, None, None, None, None
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    gw = None
+    if ctx.needs_input_grad[1]:
+        gw = x2.t().mm(g2) if in_out else g2.t().mm(x2)
+    gb = g2.sum(0) if ctx.needs_input_grad[2] else None
+    return gx, gw, gb, None, None
 
 
 class _LinearFn(torch.autograd.Function):
@@ -218,20 +254,7 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        store = ctx.store
-        if not need_w or store.defer(_accumulate_weight_grad, *ctx.params, x, g):
-            return gx, None, None, None, None
-        if store.accumulating:
-            # The executor's full backward: into .grad now, fused, instead of handing the
-            # weight gradient to autograd (which would add it into .grad in a second pass).
-            with torch.no_grad():
-                _accumulate_weight_grad(*ctx.params, x, g)
-            return gx, None, None, None, None
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+        return _weight_backward(ctx, x, g, gx, in_out=False)
 
 
 def _linear_weight_grad(
@@ -383,12 +406,17 @@ def _deferrable_class(cls: type[nn.Linear]) -> type[DeferrableLinear]:
     """The class a module of class ``cls`` (``nn.Linear`` or a subclass keeping its forward) is
     switched to: ``DeferrableLinear`` for ``nn.Linear``; else a subclass of ``DeferrableLinear``
     and ``cls`` (``DeferrableLinear.forward`` first in its MRO), made once per class."""
-    made = _DEFERRABLE_CLASSES.get(cls)
-    if made is None:
+    return _mixed_class(DeferrableLinear, cls, _DEFERRABLE_CLASSES)
+
+
+def _mixed_class(mixin: type, cls: type, made: dict) -> Any:
+    """A subclass of ``mixin`` and ``cls`` (the mixin's ``forward`` first in its MRO), named
+    and placed as ``cls``, made once per class and kept in ``made``."""
+    if cls not in made:
         name = f"Deferrable{cls.__name__}"
-        made = type(
+        made[cls] = type(
             name,
-            (DeferrableLinear, cls),
+            (mixin, cls),
             {
                 "__module__": cls.__module__,
                 "__qualname__": name,
@@ -396,8 +424,7 @@ def _deferrable_class(cls: type[nn.Linear]) -> type[DeferrableLinear]:
                 "_graphpipe_original": cls,
             },
         )
-        _DEFERRABLE_CLASSES[cls] = made
-    return made
+    return made[cls]
 
 
 def _new_deferrable(cls: type[nn.Linear]) -> DeferrableLinear:
@@ -412,15 +439,7 @@ def _accumulate_conv1d_weight_grad(
     ([in, out]); in the GEMM when ``.grad`` exists in the operands' dtype (as
     ``_accumulate_weight_grad``)."""
     g2 = g.reshape(-1, g.shape[-1])
-    if weight.requires_grad:
-        x2 = x.reshape(-1, x.shape[-1])
-        grad = weight.grad
-        if grad is not None and grad.dtype == g2.dtype == x2.dtype:
-            grad.addmm_(x2.t(), g2)
-        else:
-            _accumulate(weight, x2.t().mm(g2))
-    if bias is not None and bias.requires_grad:
-        _accumulate(bias, g2.sum(0))
+    _accumulate_product(weight, bias, x.reshape(-1, x.shape[-1]).t(), g2, g2)
 
 
 class _Conv1DFn(torch.autograd.Function):
@@ -440,18 +459,7 @@ class _Conv1DFn(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight.t()) if ctx.needs_input_grad[0] else None
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        store = ctx.store
-        if not need_w or store.defer(_accumulate_conv1d_weight_grad, *ctx.params, x, g):
-            return gx, None, None, None, None
-        if store.accumulating:
-            with torch.no_grad():
-                _accumulate_conv1d_weight_grad(*ctx.params, x, g)
-            return gx, None, None, None, None
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = x.reshape(-1, x.shape[-1]).t().mm(g2) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+        return _weight_backward(ctx, x, g, gx, in_out=True)
 
 
 class DeferrableConv1D(nn.Module):
@@ -505,21 +513,7 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 
 def _deferrable_conv1d_class(cls: type[nn.Module]) -> type[DeferrableConv1D]:
-    made = _CONV1D_CLASSES.get(cls)
-    if made is None:
-        name = f"Deferrable{cls.__name__}"
-        made = type(
-            name,
-            (DeferrableConv1D, cls),
-            {
-                "__module__": cls.__module__,
-                "__qualname__": name,
-                "__doc__": f"{cls.__qualname__} with deferrable weight gradients (graphpipe).",
-                "_graphpipe_original": cls,
-            },
-        )
-        _CONV1D_CLASSES[cls] = made
-    return made
+    return _mixed_class(DeferrableConv1D, cls, _CONV1D_CLASSES)
 
 
 def _new_deferrable_conv1d(cls: type[nn.Module]) -> DeferrableConv1D:

@@ -11,6 +11,8 @@ a stage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -105,6 +107,17 @@ def test_a_non_contiguous_stage_output_is_sent_fresh_at_every_replay(mode):
 # ------------------------------------------------------------ the optimizer inside the step
 
 
+def _last_step_error(pipe: Any, xs: Any, ys: Any) -> str:
+    """One more step, then close: what it raised (``Type: message``), or ``no error``."""
+    try:
+        pipe.step(xs, ys)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pipe.close()
+    return "no error"
+
+
 def _lr_case(rank: int, world: int, mode: str) -> str:
     import graphpipe
 
@@ -119,13 +132,7 @@ def _lr_case(rank: int, world: int, mode: str) -> str:
     pipe.step(xs, ys)  # warmup
     pipe.step(xs, ys)  # capture, lr 0.1 baked in
     sched.step()  # lr 0.05
-    try:
-        pipe.step(xs, ys)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        pipe.close()
-    return "no error"
+    return _last_step_error(pipe, xs, ys)
 
 
 @pytest.mark.parametrize("mode", ["step", "action"])
@@ -255,13 +262,7 @@ def _sync_case(rank: int, world: int, mode: str) -> str:
     x, y = batch(8)
     xs, ys = (x, y) if rank == 0 else (None, None)
     pipe.step(xs, ys)  # eager: fine
-    try:
-        pipe.step(xs, ys)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        pipe.close()
-    return "no error"
+    return _last_step_error(pipe, xs, ys)
 
 
 @pytest.mark.parametrize("mode", ["step", "action"])

@@ -458,33 +458,28 @@ def test_find_cycles_lists_each_cycle_of_one_component_once() -> None:
     assert find_cycles(graph) == [("a", "p"), ("a", "p", "b"), ("b", "p")]
 
 
-def _folder_layer(module: str) -> int | None:
-    """The index in ``FOLDER_LAYERS`` of the deepest folder that holds ``module``."""
-    best = None
-    for i, folders in enumerate(FOLDER_LAYERS):
-        for folder in folders:
-            if module == folder or module.startswith(folder + "."):
-                if best is None or len(folder) > len(best[1]):
-                    best = (i, folder)
-    return None if best is None else best[0]
-
-
-def _folder(module: str) -> str | None:
-    found = [f for fs in FOLDER_LAYERS for f in fs if module == f or module.startswith(f + ".")]
-    return max(found, key=len) if found else None
+def _folder_of(module: str) -> tuple[int, str] | None:
+    """The deepest folder of ``FOLDER_LAYERS`` that holds ``module``, with its layer's index."""
+    found = [
+        (i, folder)
+        for i, folders in enumerate(FOLDER_LAYERS)
+        for folder in folders
+        if module == folder or module.startswith(folder + ".")
+    ]
+    return max(found, key=lambda f: len(f[1])) if found else None
 
 
 def test_the_runtimes_folders_import_only_downwards() -> None:
     found = []
     for module, targets in GRAPH.items():
-        low = _folder_layer(module)
+        low = _folder_of(module)
         if low is None:
             continue
         for target in targets:
-            high = _folder_layer(target)
+            high = _folder_of(target)
             if high is None:
                 continue
-            if high > low or (high == low and _folder(target) != _folder(module)):
+            if high[0] > low[0] or (high[0] == low[0] and high[1] != low[1]):
                 found.append(f"{module} imports {target}")
     assert not found, sorted(found)
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -66,9 +67,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_store_hosts_exit_waits_until_its_peer_read_its_error(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
+def _run_two_ranks(script: Path, *args: str) -> tuple[list[subprocess.Popen], list[tuple]]:
+    """``script`` as ranks 0 and 1 of an env:// job (rank 0 hosts the store), to their end:
+    the processes and their (stdout, stderr)."""
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = []
@@ -83,14 +84,20 @@ def test_the_store_hosts_exit_waits_until_its_peer_read_its_error(tmp_path):
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script)],
+                [sys.executable, str(script), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
         )
-    outs = [p.communicate(timeout=180) for p in procs]
+    return procs, [p.communicate(timeout=180) for p in procs]
+
+
+def test_the_store_hosts_exit_waits_until_its_peer_read_its_error(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    procs, outs = _run_two_ranks(script)
     # rank 0's own exception ends its process (exit status 1, the traceback on stderr)
     assert procs[0].returncode == 1, outs[0]
     assert "ValueError: injected loss fault" in outs[0][1]
@@ -136,33 +143,12 @@ BUILD_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("case", [pytest.param("late", marks=pytest.mark.slow), "refused"])
 def test_the_store_hosts_exit_after_a_failed_construction_waits_for_a_late_peer(tmp_path, case):
-    # Issue 40: rank 0 gives up on a peer that starts late (or refuses its own arguments) and
-    # its exception ends its process, the job's store with it: the late peer could only say
-    # that the store is gone. Its exit now waits until the peers have read why.
+    # Rank 0 gives up on a peer that starts late (or refuses its own arguments), and its
+    # exception ends its process, which hosts the job's store: its exit waits until the
+    # peers have read why, so that the late peer names rank 0's error, not a lost store.
     script = tmp_path / "build.py"
     script.write_text(BUILD_SCRIPT)
-    port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            PYTHONPATH=root,
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), case],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = [p.communicate(timeout=180) for p in procs]
+    procs, outs = _run_two_ranks(script, case)
     assert procs[0].returncode == 1, outs[0]  # rank 0's own exception ends its process
     assert procs[1].returncode == 3, outs[1]
     if case == "late":

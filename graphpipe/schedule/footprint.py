@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +52,6 @@ __all__ = [
     "schedule_size",
 ]
 
-_KINDS: dict[str, tuple[int, Callable[[int, int], int]]] = {
-    name: (kind.stages_per_rank, kind.generated) for name, kind in KINDS.items()
-}
-"""Per schedule kind (``ir.KINDS``): stages per rank, and the micro-batches its generator
-emits (the micro-batch bound of its codes). ``tests/test_footprint.py`` checks both against
-the generators."""
 
 ACTIONS_PER_PAIR = 3
 """F, and B or I and W: the most actions one (stage, micro-batch) pair has."""
@@ -96,12 +89,12 @@ class Size:
 def schedule_size(kind: str, num_ranks: int, num_microbatches: int) -> Size:
     """The ``Size`` of schedule ``kind`` (a name in ``graphpipe.schedule.generators.SCHEDULES``) on
     ``num_ranks`` ranks with ``num_microbatches`` micro-batches; nothing is built."""
-    if kind not in _KINDS:
-        raise ValueError(f"unknown schedule {kind!r}: expected one of {sorted(_KINDS)}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule {kind!r}: expected one of {sorted(KINDS)}")
     for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    per_rank, generated = _KINDS[kind]
+    per_rank, generated = KINDS[kind].stages_per_rank, KINDS[kind].generated
     stages = per_rank * num_ranks
     return Size(
         ranks=num_ranks,

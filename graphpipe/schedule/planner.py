@@ -69,7 +69,7 @@ from graphpipe.schedule.costs import Costs
 from graphpipe.schedule.generators import SCHEDULES, ScheduleKind
 from graphpipe.schedule.ir import KINDS
 from graphpipe.schedule.splits import check_layers_per_stage, layers_per_stage
-from graphpipe.schedule.timing import cell_times, data_item
+from graphpipe.schedule.timing import cell_times, data_columns
 
 __all__ = [
     "AUTO_SCHEDULES",
@@ -433,20 +433,8 @@ class _Model:
         """Group the cells into levels whose inputs (the rank's previous cell, the data each
         part reads) all come from earlier levels, for ``makespan_batch``: the rule of
         ``timing.cell_times``, encoded as it encodes it."""
-        cells, placement, mb = self.cells, self.placement, self.cells.mb_bound
-        stages = max(cells.stage_bound(), placement.num_stages) + 1
-        owner = np.full(stages + 1, -1, dtype=np.int64)
-        owner[: placement.num_stages] = placement.stage_to_rank
-        rank = cells.rank_of_cell()
-        size = stages * mb * 2  # item `size`: nothing to read (done at -inf); `size + 1`: made
-        columns = []
-        for codes in (cells.first, cells.second):
-            need = data_item(codes, mb, placement.last_stage)
-            remote = (need >= 0) & (owner[np.clip((need >> 1) // mb, 0, stages)] != rank)
-            op = packed.op_of(codes)
-            made = packed.key_of(codes) * 2 + (op != packed.F)
-            made = np.where((codes >= 0) & (op != packed.W), made, size + 1)
-            columns += [np.where(need >= 0, need, size), remote, made]
+        cells = self.cells
+        size, columns = data_columns(cells, self.placement)
         need1, remote1, made1, need2, remote2, made2 = columns
         known = np.zeros(size + 2, dtype=bool)
         known[size] = True

@@ -129,6 +129,30 @@ def data_item(codes: np.ndarray, mb_bound: int, last_stage: int) -> np.ndarray:
     return item
 
 
+def data_columns(cells: Cells, placement: Placement) -> tuple[int, list[np.ndarray]]:
+    """The dataflow of ``cells`` as ``cell_times`` reads it: ``size`` (the number of data
+    items) and, per cell, for its first part and then its second, three columns: the item it
+    reads (``size`` when nothing: always known, at -inf), whether that item crosses ranks,
+    and the item it makes (``size + 1`` when nothing: never read). The item columns are int32
+    where the items fit."""
+    mb = cells.mb_bound
+    stages = max(cells.stage_bound(), placement.num_stages) + 1
+    owner = np.full(stages + 1, -1, dtype=np.int64)
+    owner[: placement.num_stages] = placement.stage_to_rank
+    rank = cells.rank_of_cell()
+    size = stages * mb * 2
+    item = np.int32 if size + 2 < 2**31 else np.int64
+    columns = []
+    for codes in (cells.first, cells.second):
+        need = data_item(codes, mb, placement.last_stage)
+        remote = (need >= 0) & (owner[np.clip((need >> 1) // mb, 0, stages)] != rank)
+        op = packed.op_of(codes)
+        made = packed.key_of(codes) * 2 + (op != packed.F)
+        made = np.where((codes >= 0) & (op != packed.W), made, size + 1)
+        columns += [np.where(need >= 0, need, size).astype(item), remote, made.astype(item)]
+    return size, columns
+
+
 _ROUND_MIN = 32
 """``cell_times`` advances ranks in rounds while a round moves this many ranks on average: a
 round costs some 25 numpy calls, about what the work list spends on 30 cells, so below this
@@ -169,23 +193,9 @@ class _State:
     def __init__(
         self, cells: Cells, placement: Placement, durations: np.ndarray, latency: float
     ) -> None:
-        mb = cells.mb_bound
-        stages = max(cells.stage_bound(), placement.num_stages) + 1
-        owner = np.full(stages + 1, -1, dtype=np.int64)
-        owner[: placement.num_stages] = placement.stage_to_rank
-        rank = cells.rank_of_cell()
-        self.size = size = stages * mb * 2
+        size, columns = data_columns(cells, placement)
+        self.size = size
         self.latency = latency
-        item = np.int32 if size + 2 < 2**31 else np.int64
-        columns = []
-        for codes in (cells.first, cells.second):
-            need = data_item(codes, mb, placement.last_stage)
-            remote = (need >= 0) & (owner[np.clip((need >> 1) // mb, 0, stages)] != rank)
-            op = packed.op_of(codes)
-            made = packed.key_of(codes) * 2 + (op != packed.F)
-            made = np.where((codes >= 0) & (op != packed.W), made, size + 1)
-            columns += [np.where(need >= 0, need, size).astype(item), remote, made.astype(item)]
-        del rank
         self.need1, self.remote1, self.made1, self.need2, self.remote2, self.made2 = columns
         self.dur = np.asarray(durations, dtype=np.float64)
         if (self.dur[cells.first < 0] != 0).any():  # a flush takes no time

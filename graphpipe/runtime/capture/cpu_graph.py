@@ -712,11 +712,7 @@ class _Recorder(TorchDispatchMode):
                 self._alias(t) if isinstance(t, torch.Tensor) and next(fresh) else None
                 for t in flat
             )
-            a, kw = self._alias(args), self._alias(kwargs)
-            touched = {s[0] for s in map(_span, _tensors((a, kw, targets))) if s is not None}
-            self._add(_copy_into(func._op, targets), a, kw, str(func), touched)
-            self._born(targets, len(self.nodes) - 1)
-            self.stats["copies"] += 1
+            self._add_copy(func, targets, args, kwargs)
             return out
         if inplace or not outs:
             self._add(func._op, self._alias(args), self._alias(kwargs), str(func))
@@ -737,12 +733,17 @@ class _Recorder(TorchDispatchMode):
             self._born(flat, len(self.nodes) - 1)
             return out
         targets = tuple(self._alias(t) if isinstance(t, torch.Tensor) else None for t in flat)
+        self._add_copy(func, targets, args, kwargs)
+        return out
+
+    def _add_copy(self, func: Any, targets: tuple, args: tuple, kwargs: dict) -> None:
+        """Record ``func`` run on the graph's tensors, its results copied into ``targets``
+        (the graph's tensors of its results; None: a result not kept)."""
         a, kw = self._alias(args), self._alias(kwargs)
         touched = {s[0] for s in map(_span, _tensors((a, kw, targets))) if s is not None}
         self._add(_copy_into(func._op, targets), a, kw, str(func), touched)
         self._born(targets, len(self.nodes) - 1)
         self.stats["copies"] += 1
-        return out
 
     def _born(self, tensors: Any, node: int) -> None:
         """The storages of ``tensors`` get their values from node ``node`` on (made by it,
