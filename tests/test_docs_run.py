@@ -19,9 +19,6 @@ become paths under a private temporary folder (the same names), so that the runs
 meet nor remove anyone's files. A python block runs as a file (``python FILE``, or the
 command the page gives for it). Most of them are slow (``-m slow``); the quick ones run in the
 default suite.
-
-Capture-related blocks (docs/capture.md) and docs/planning.md are skipped here: other changes
-of issue 38 rewrite them.
 """
 
 from __future__ import annotations
@@ -135,8 +132,6 @@ INSTALL = Skip(
     "an install: a package index and minutes; `python profiles/docs_figures.py --long --only "
     "install` runs it in a fresh copy"
 )
-CAPTURE = Skip("docs/capture.md: capture is being rewritten by another change of issue 38")
-PLANNING = Skip("docs/planning.md: `graphpipe plan` is being reworked by another change")
 
 
 @dataclass(frozen=True)
@@ -234,6 +229,18 @@ def _same_as_test_module(copy: Path, block: Block, out: str) -> None:
         assert part.strip() in module, part
 
 
+def _shown_after(block: Block) -> str:
+    """The page's next block: what it shows ``block`` printing."""
+    later = [b for b in BLOCKS if b.page == block.page and b.line > block.line]
+    return min(later, key=lambda b: b.line).code
+
+
+def _prints_what_follows(copy: Path, block: Block, out: str) -> None:
+    """What the block prints begins with the lines the page shows after it."""
+    shown = _shown_after(block).strip().splitlines()
+    assert out.strip().splitlines()[: len(shown)] == shown, out
+
+
 def _have(program: str) -> Callable[[], str | None]:
     return lambda: None if shutil.which(program) else f"{program} is not installed"
 
@@ -282,6 +289,30 @@ VERDICTS: dict[str, Skip | Run] = {
     ),
     "docs/benchmarks.md: graphpipe bench --regime moe --steps 20 --warmup 3 --json moe.json"
     "             # ep=2, 2 ranks": Run(),
+    # docs/capture.md
+    "docs/capture.md: pipe = graphpipe.DualPipeV(stages, num_microbatches=8, loss_fn=loss_fn, "
+    "capture=True)": FRAGMENT,
+    "docs/capture.md: CaptureError: the step cannot be captured: 1 place(s) need the host "
+    "inside it": OUTPUT,
+    # docs/planning.md
+    "docs/planning.md: layer = LayerCost(forward=1.0, backward_input=1.0, backward_weight=1.0)  "
+    "# seconds per micro-batch": Run(slow=False, file="plan.py", check=_prints_what_follows),
+    "docs/planning.md: dualpipev: 2 ranks, 4 stages, 8 micro-batches": OUTPUT,
+    'docs/planning.md: python -c "': Run(),
+    "docs/planning.md: plan = plan_hf_split(": FRAGMENT,
+    "docs/planning.md: graphpipe plan --hf path/to/model                  # a directory with "
+    "config.json, or the file": Skip(
+        "the paths of a user's model; tests/test_plan_cli.py runs these options on a config"
+    ),
+    "docs/planning.md: chosen: zbv with 16 micro-batches, of the 2 within the 5% tie margin of "
+    "the fastest, the least memory on the even split": OUTPUT,
+    "docs/planning.md: the built-in model (hidden 64, 4 heads): 8 layers; micro-batch 2 x 64 "
+    "tokens, float32; costs measured here (cpu), 5 rounds per piece": OUTPUT,
+    "docs/planning.md: LlamaForCausalLM from DIR (sdpa attention): 12 layers; micro-batch 2 x 64 "
+    "tokens, float32; costs measured here (cpu), 5 rounds per piece": OUTPUT,
+    "docs/planning.md: no split fits memory_budget=2500 bytes: the closest (1f1b, 4 "
+    "micro-batches, layers per stage [3, 3]) needs 3060 bytes on rank 0, 560 bytes (0.0 MiB) "
+    "more than the budget": OUTPUT,
     # docs/bring-your-model.md
     "docs/bring-your-model.md: config = transformers.LlamaConfig(": Skip(
         "an example: tests/test_bring_your_model.py runs it"
@@ -476,12 +507,9 @@ VERDICTS: dict[str, Skip | Run] = {
     ),
 }
 
-# Pages whose every block has one verdict (their blocks change with other work).
-PAGE_VERDICTS: dict[str, Skip] = {"docs/capture.md": CAPTURE, "docs/planning.md": PLANNING}
-
 
 def verdict(block: Block) -> Skip | Run | None:
-    return PAGE_VERDICTS.get(block.page) or VERDICTS.get(block.key)
+    return VERDICTS.get(block.key)
 
 
 BLOCKS = blocks()
